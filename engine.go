@@ -1,0 +1,340 @@
+package idem
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Defaults for [Config] and [BeginParams].
+const (
+	// DefaultLease is how long a lease lasts before it must be renewed.
+	DefaultLease = 30 * time.Second
+	// DefaultRetention is how long a settled outcome is kept and replayed.
+	DefaultRetention = 24 * time.Hour
+)
+
+// Clock tells the time. The engine reads it for every store call, so a test
+// can move time by hand.
+type Clock interface {
+	Now() time.Time
+}
+
+type systemClock struct{}
+
+func (systemClock) Now() time.Time { return time.Now() }
+
+// SystemClock is the wall clock.
+var SystemClock Clock = systemClock{}
+
+// Config configures an [Engine]. The zero value of every field but Store is a
+// sensible default.
+type Config struct {
+	// Store keeps the records. Required.
+	Store Store
+	// Clock tells the time. Defaults to [SystemClock]. All instances sharing
+	// a store should have clocks within a small fraction of Lease.
+	Clock Clock
+	// Lease is how long a lease lasts unless renewed. Defaults to
+	// [DefaultLease].
+	Lease time.Duration
+	// Retention is how long a settled outcome is replayed. Defaults to
+	// [DefaultRetention].
+	Retention time.Duration
+}
+
+// Engine decides, for each request, whether to run it, replay it or refuse
+// it, and writes its outcome. It is safe for concurrent use; several engines
+// in several processes may share one store.
+type Engine struct {
+	store     Store
+	clock     Clock
+	lease     time.Duration
+	retention time.Duration
+}
+
+// New returns an engine for cfg.
+func New(cfg Config) (*Engine, error) {
+	if cfg.Store == nil {
+		return nil, invalid("config has no store")
+	}
+	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention}
+	if e.clock == nil {
+		e.clock = SystemClock
+	}
+	if e.lease == 0 {
+		e.lease = DefaultLease
+	}
+	if e.retention == 0 {
+		e.retention = DefaultRetention
+	}
+	if e.lease < 0 || e.retention < 0 {
+		return nil, invalid("lease and retention must be positive")
+	}
+	return e, nil
+}
+
+// Store returns the engine's store.
+func (e *Engine) Store() Store { return e.store }
+
+// Now returns the engine's clock reading.
+func (e *Engine) Now() time.Time { return e.clock.Now() }
+
+// Decision is what to do with a request.
+type Decision int
+
+// The decisions [Engine.Begin] makes.
+const (
+	// Execute: the caller holds the lease; run the work, then Complete,
+	// Release or MarkUnknown.
+	Execute Decision = iota + 1
+	// Replay: the work ran before; send the stored Response again.
+	Replay
+	// Mismatch: the key was used with a different payload; refuse (422).
+	Mismatch
+	// InFlight: another owner is running the work now; come back later (409).
+	InFlight
+	// Uncertain: the outcome of an earlier run is unknown; nothing may run
+	// until it is resolved (409, operation uncertain).
+	Uncertain
+)
+
+var decisionNames = [...]string{"", "execute", "replay", "mismatch", "in_flight", "uncertain"}
+
+func (d Decision) String() string {
+	if d > 0 && int(d) < len(decisionNames) {
+		return decisionNames[d]
+	}
+	return fmt.Sprintf("Decision(%d)", int(d))
+}
+
+// BeginParams describes a request about to run.
+type BeginParams struct {
+	// Scope isolates callers; see [ValidateScope].
+	Scope string
+	// Key is the client's idempotency key; see [ValidateKey].
+	Key string
+	// Fingerprint identifies the payload; see [NewFingerprint].
+	Fingerprint Fingerprint
+	// Lease overrides [Config.Lease] for this request when non-zero.
+	Lease time.Duration
+	// Retention overrides [Config.Retention] for this request when non-zero.
+	Retention time.Duration
+	// TakeoverSafe declares that all of this work's effects commit together
+	// with the record (transactional completion), so that when its lease
+	// expires a retry may take over instead of the record becoming UNKNOWN.
+	TakeoverSafe bool
+}
+
+// Outcome is the engine's answer to [Engine.Begin].
+type Outcome struct {
+	Decision Decision
+	// Lease is the caller's lease when Decision is Execute.
+	Lease Lease
+	// Record is the stored record as the store returned it.
+	Record Record
+	// Diff names the payload parts that differed when Decision is Mismatch.
+	Diff []string
+	// RetryAfter is how long until the running lease ends when Decision is
+	// InFlight; at least one second.
+	RetryAfter time.Duration
+}
+
+// Begin looks the key up and decides; when the decision is Execute, the caller
+// holds a new lease. It is one store round trip.
+func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
+	lease, retention := p.Lease, p.Retention
+	if lease == 0 {
+		lease = e.lease
+	}
+	if retention == 0 {
+		retention = e.retention
+	}
+	if lease < 0 || retention < 0 {
+		return Outcome{}, invalid("lease and retention must be positive")
+	}
+	token, err := NewToken()
+	if err != nil {
+		return Outcome{}, err
+	}
+	now := e.clock.Now()
+	rec, err := e.store.Acquire(ctx, AcquireParams{
+		Scope:        p.Scope,
+		Key:          p.Key,
+		Fingerprint:  p.Fingerprint,
+		Token:        token,
+		Now:          now,
+		LeaseExpires: now.Add(lease),
+		TakeoverSafe: p.TakeoverSafe,
+	})
+	if err != nil {
+		return Outcome{}, err
+	}
+	out := Outcome{Record: rec}
+	switch {
+	case rec.Token == token && rec.State == StateInProgress:
+		out.Decision = Execute
+		out.Lease = Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence,
+			Expires: rec.LeaseExpires, Duration: lease, Retention: retention}
+	case rec.Fingerprint != p.Fingerprint:
+		out.Decision = Mismatch
+		out.Diff = p.Fingerprint.Diff(rec.Fingerprint)
+	case rec.State == StateCompleted:
+		out.Decision = Replay
+	case rec.State == StateUnknown:
+		out.Decision = Uncertain
+	default:
+		out.Decision = InFlight
+		out.RetryAfter = max(rec.LeaseExpires.Sub(now).Round(time.Second), time.Second)
+	}
+	return out, nil
+}
+
+// Renew extends l by its Duration from now and returns the renewed lease.
+// [ErrLeaseLost] means the lease had already run out or was taken over: stop
+// the work if you still can, and do not expect to store its outcome over a
+// newer owner.
+func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
+	now := e.clock.Now()
+	expires := now.Add(l.Duration)
+	if err := e.store.Renew(ctx, RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
+		return l, err
+	}
+	l.Expires = expires
+	return l, nil
+}
+
+// Complete stores resp as the outcome; every later Begin with the same key
+// and payload replays it until the retention runs out.
+func (e *Engine) Complete(ctx context.Context, l Lease, resp *Response) error {
+	return e.finish(ctx, l, StateCompleted, resp)
+}
+
+// Release records that nothing happened (the work was refused before any
+// side effect, e.g. rate limited): the record becomes FAILED and the next
+// retry runs.
+func (e *Engine) Release(ctx context.Context, l Lease) error {
+	return e.finish(ctx, l, StateFailed, nil)
+}
+
+// MarkUnknown records that the work may have had a side effect whose outcome
+// is not known (e.g. it panicked during an external call). Retries get
+// Uncertain until the owner's late Complete or Release, or the reconciler,
+// settles it.
+func (e *Engine) MarkUnknown(ctx context.Context, l Lease) error {
+	return e.finish(ctx, l, StateUnknown, nil)
+}
+
+// FinishParams returns the store params that settle l as state at the
+// engine's current time, with the lease's retention; a store's transactional
+// finish (e.g. pgstore's FinishTx) takes them.
+func (e *Engine) FinishParams(l Lease, state State, resp *Response) FinishParams {
+	now := e.clock.Now()
+	p := FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, State: state, Response: resp}
+	if state.Terminal() {
+		retention := l.Retention
+		if retention <= 0 {
+			retention = e.retention
+		}
+		p.Expires = now.Add(retention)
+	}
+	return p
+}
+
+func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Response) error {
+	return e.store.Finish(ctx, e.FinishParams(l, state, resp))
+}
+
+// Get returns the live record under scope and key, or [ErrNotFound].
+func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
+	return e.store.Get(ctx, GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+}
+
+// Scan returns a page of stale records (UNKNOWN, or IN_PROGRESS past their
+// lease) for a reconciler; pass the returned cursor to get the next page.
+func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult, error) {
+	return e.store.Scan(ctx, ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+}
+
+// Prune deletes every settled record whose retention has run out, in
+// batches, and returns how many it deleted.
+func (e *Engine) Prune(ctx context.Context) (int, error) {
+	now := e.clock.Now()
+	total := 0
+	for {
+		n, err := e.store.Prune(ctx, PruneParams{Now: now, Limit: DefaultPruneLimit})
+		total += n
+		if err != nil || n < DefaultPruneLimit {
+			return total, err
+		}
+	}
+}
+
+// NewToken returns a lease token: 128 random bits from crypto/rand, in hex.
+func NewToken() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("idem: reading random token: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
+}
+
+// Hold keeps l alive while work runs: it renews the lease every third of its
+// Duration until stop is called. The returned context is cancelled, with
+// cause [ErrLeaseLost], when the lease is lost or runs out before a renewal
+// succeeds (the store may be unreachable meanwhile); work should then stop,
+// since its outcome can no longer be stored over a newer owner. stop ends the
+// renewals, waits for the one in progress, and returns the lease as last
+// renewed.
+//
+// ctx bounds the renewals; pass a context that a client disconnect does not
+// cancel (context.WithoutCancel) when the work must finish regardless.
+func (e *Engine) Hold(ctx context.Context, l Lease) (held context.Context, stop func() Lease) {
+	held, cancel := context.WithCancelCause(ctx)
+	done := make(chan struct{})
+	finished := make(chan Lease, 1)
+	go func() {
+		current := l
+		defer func() { finished <- current }()
+		every := l.Duration / 3
+		if every <= 0 {
+			every = time.Millisecond
+		}
+		ticker := time.NewTicker(every)
+		defer ticker.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-held.Done():
+				return
+			case <-ticker.C:
+			}
+			renewed, err := e.Renew(held, current)
+			switch {
+			case err == nil:
+				current = renewed
+			case errors.Is(err, ErrLeaseLost):
+				cancel(fmt.Errorf("%w: renewal refused: %v", ErrLeaseLost, err))
+				return
+			case !e.clock.Now().Before(current.Expires):
+				cancel(fmt.Errorf("%w: lease ran out while renewals failed: %v", ErrLeaseLost, err))
+				return
+			}
+		}
+	}()
+	var once sync.Once
+	var last Lease
+	return held, func() Lease {
+		once.Do(func() {
+			close(done)
+			last = <-finished
+			cancel(context.Canceled)
+		})
+		return last
+	}
+}

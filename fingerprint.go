@@ -1,0 +1,83 @@
+package idem
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"net/url"
+	"strconv"
+	"strings"
+)
+
+// FingerprintVersion is the version of the algorithm [NewFingerprint] uses. It
+// is written into every fingerprint, so a later algorithm can tell old records
+// apart instead of calling them mismatches by accident.
+const FingerprintVersion = 1
+
+// Payload is what a fingerprint covers: the parts of a request that must be
+// the same for a retry to count as the same request.
+type Payload struct {
+	// Method is the HTTP method, compared case-sensitively.
+	Method string
+	// Path is the route path.
+	Path string
+	// Query is the raw query string. It is canonicalised (parameters sorted
+	// by name, each name's values in their order) before hashing.
+	Query string
+	// Body is the request body (already canonicalised by the caller where
+	// that is wanted, e.g. RFC 8785 JSON).
+	Body []byte
+}
+
+// Fingerprint identifies a payload without revealing it. It holds a SHA-256
+// per part (method, path, query, body) under a version prefix, so a mismatch
+// can name the part that differed and never its value. Fingerprints are
+// compared for equality as strings.
+type Fingerprint string
+
+// FingerprintParts names the parts of a [Payload] in the order a
+// [Fingerprint] holds them.
+var FingerprintParts = [4]string{"method", "path", "query", "body"}
+
+// NewFingerprint computes the fingerprint of p with the current
+// [FingerprintVersion].
+func NewFingerprint(p Payload) Fingerprint {
+	var b strings.Builder
+	b.WriteString("v")
+	b.WriteString(strconv.Itoa(FingerprintVersion))
+	for _, part := range [][]byte{[]byte(p.Method), []byte(p.Path), []byte(canonicalQuery(p.Query)), p.Body} {
+		sum := sha256.Sum256(part)
+		b.WriteByte('.')
+		b.WriteString(base64.RawURLEncoding.EncodeToString(sum[:]))
+	}
+	return Fingerprint(b.String())
+}
+
+// Diff names the parts in which f and g differ, in [FingerprintParts] order;
+// nil when they are equal. Fingerprints of different versions, or that are
+// not fingerprints at all, differ in "version".
+func (f Fingerprint) Diff(g Fingerprint) []string {
+	if f == g {
+		return nil
+	}
+	fp, gp := strings.Split(string(f), "."), strings.Split(string(g), ".")
+	if len(fp) != 5 || len(gp) != 5 || fp[0] != gp[0] {
+		return []string{"version"}
+	}
+	var diff []string
+	for i, name := range FingerprintParts {
+		if fp[i+1] != gp[i+1] {
+			diff = append(diff, name)
+		}
+	}
+	return diff
+}
+
+// canonicalQuery sorts parameters by name, keeping each name's values in
+// order. A query that does not parse is hashed as sent.
+func canonicalQuery(q string) string {
+	v, err := url.ParseQuery(q)
+	if err != nil {
+		return q
+	}
+	return v.Encode()
+}

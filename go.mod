@@ -1,0 +1,3 @@
+module github.com/idemhq/idem
+
+go 1.26.8

@@ -1,0 +1,363 @@
+package idem
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Store keeps records. Implementations must make each method atomic with
+// respect to every other call on the same scope and key, across every process
+// that shares the store, and must translate their driver's errors into the
+// sentinels of this package ([ErrNotFound], [ErrLeaseLost], [ErrInvalid],
+// [ErrUnavailable]) at their edge.
+//
+// A store never reads a clock: every call carries the time it should act at
+// (the engine's clock), so that all stores behave alike and tests can move
+// time. Each params type has an Apply or Validate method that states the
+// semantics exactly; stores that run the logic in Go (memory, SQLite) call
+// them, and stores that run it on the server (SQL, Lua) must match them. The
+// conformance suite in store/storetest checks that they do.
+type Store interface {
+	// Acquire atomically creates the record or returns the one that exists,
+	// applying the transitions of [AcquireParams.Apply]. The caller holds the
+	// lease exactly when the returned record's Token equals p.Token.
+	Acquire(ctx context.Context, p AcquireParams) (Record, error)
+	// Renew extends a lease; see [RenewParams.Apply]. A token that no longer
+	// owns a running record gives [ErrLeaseLost].
+	Renew(ctx context.Context, p RenewParams) error
+	// Finish settles a record as COMPLETED, FAILED or UNKNOWN; see
+	// [FinishParams.Apply]. A token that no longer owns the record gives
+	// [ErrLeaseLost].
+	Finish(ctx context.Context, p FinishParams) error
+	// Get returns the live record under scope and key, or [ErrNotFound].
+	Get(ctx context.Context, p GetParams) (Record, error)
+	// Scan lists stale records (see [Record.Stale]) for the reconciler, a
+	// page at a time; see [ScanParams].
+	Scan(ctx context.Context, p ScanParams) (ScanResult, error)
+	// Prune deletes up to p.Limit terminal records that expired at or before
+	// p.Now and reports how many it deleted. Stores whose server expires
+	// records by itself (Redis TTL) may report 0.
+	Prune(ctx context.Context, p PruneParams) (int, error)
+}
+
+// AcquireParams asks a store to create a record or return the existing one.
+type AcquireParams struct {
+	Scope, Key  string
+	Fingerprint Fingerprint
+	// Token is the new lease's token, made by the caller.
+	Token string
+	// Now is the time the store acts at.
+	Now time.Time
+	// LeaseExpires is when the new lease ends; after Now.
+	LeaseExpires time.Time
+	// TakeoverSafe is stored on the record; see [Record.TakeoverSafe].
+	TakeoverSafe bool
+}
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p AcquireParams) Validate() error {
+	if err := validateRef(p.Scope, p.Key, p.Token, p.Now); err != nil {
+		return err
+	}
+	if err := validateFingerprint(p.Fingerprint); err != nil {
+		return err
+	}
+	if !p.LeaseExpires.After(p.Now) {
+		return invalid("lease must expire after now")
+	}
+	return nil
+}
+
+// Apply is the acquire transition. existing is the record stored under the
+// scope and key, or nil. It returns the record as it must be after the call,
+// and whether it must be written:
+//
+//   - no record, an expired one, or a FAILED one: a new IN_PROGRESS record
+//     owned by p.Token (the fence continues from a FAILED record, restarts at
+//     1 otherwise);
+//   - IN_PROGRESS with an expired lease, TakeoverSafe, same fingerprint: taken
+//     over by p.Token with the next fence;
+//   - IN_PROGRESS with an expired lease, not TakeoverSafe: becomes UNKNOWN;
+//   - anything else: returned as it is, not written.
+func (p AcquireParams) Apply(existing *Record) (next Record, write bool) {
+	fresh := Record{
+		Scope:        p.Scope,
+		Key:          p.Key,
+		State:        StateInProgress,
+		Fingerprint:  p.Fingerprint,
+		Token:        p.Token,
+		Fence:        1,
+		LeaseExpires: p.LeaseExpires,
+		TakeoverSafe: p.TakeoverSafe,
+		Created:      p.Now,
+		Updated:      p.Now,
+	}
+	if existing == nil || !existing.Live(p.Now) {
+		return fresh, true
+	}
+	r := *existing
+	switch {
+	case r.State == StateFailed:
+		fresh.Fence = r.Fence + 1
+		return fresh, true
+	case r.State == StateInProgress && !p.Now.Before(r.LeaseExpires):
+		if !r.TakeoverSafe {
+			r.State = StateUnknown
+			r.Updated = p.Now
+			return r, true
+		}
+		if r.Fingerprint != p.Fingerprint {
+			return r, false
+		}
+		r.Token = p.Token
+		r.Fence++
+		r.LeaseExpires = p.LeaseExpires
+		r.TakeoverSafe = p.TakeoverSafe
+		r.Updated = p.Now
+		return r, true
+	}
+	return r, false
+}
+
+// RenewParams asks a store to extend a lease.
+type RenewParams struct {
+	Scope, Key, Token string
+	Now               time.Time
+	// LeaseExpires is the lease's new end; after Now.
+	LeaseExpires time.Time
+}
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p RenewParams) Validate() error {
+	if err := validateRef(p.Scope, p.Key, p.Token, p.Now); err != nil {
+		return err
+	}
+	if !p.LeaseExpires.After(p.Now) {
+		return invalid("lease must expire after now")
+	}
+	return nil
+}
+
+// Apply is the renew transition on the stored record r (nil when there is
+// none): it succeeds only while r is IN_PROGRESS under p.Token and its lease
+// has not run out, because once it has, others may have acted on that.
+func (p RenewParams) Apply(r *Record) error {
+	if r == nil || !r.Live(p.Now) || r.Token != p.Token || r.State != StateInProgress || !p.Now.Before(r.LeaseExpires) {
+		return ErrLeaseLost
+	}
+	r.LeaseExpires = p.LeaseExpires
+	r.Updated = p.Now
+	return nil
+}
+
+// FinishParams asks a store to settle a record.
+type FinishParams struct {
+	Scope, Key, Token string
+	Now               time.Time
+	// State is COMPLETED, FAILED or UNKNOWN.
+	State State
+	// Response is required for COMPLETED and must be nil otherwise.
+	Response *Response
+	// Expires is when a COMPLETED or FAILED record expires; after Now. It
+	// must be zero for UNKNOWN.
+	Expires time.Time
+}
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p FinishParams) Validate() error {
+	if err := validateRef(p.Scope, p.Key, p.Token, p.Now); err != nil {
+		return err
+	}
+	switch p.State {
+	case StateCompleted:
+		if p.Response == nil {
+			return invalid("a completed record needs a response")
+		}
+		if p.Response.Status < 100 || p.Response.Status > 999 {
+			return invalid("response status %d is not a valid HTTP status", p.Response.Status)
+		}
+	case StateFailed, StateUnknown:
+		if p.Response != nil {
+			return invalid("only a completed record has a response")
+		}
+	default:
+		return invalid("cannot finish a record as %q", p.State)
+	}
+	if p.State.Terminal() != !p.Expires.IsZero() {
+		return invalid("expiry is required for a terminal state and forbidden otherwise")
+	}
+	if p.State.Terminal() && !p.Expires.After(p.Now) {
+		return invalid("expiry must be after now")
+	}
+	return nil
+}
+
+// Apply is the finish transition on the stored record r (nil when there is
+// none). It succeeds while r is IN_PROGRESS or UNKNOWN under p.Token, even
+// after the lease ran out: nobody else owns the record then, and the owner's
+// late outcome is exactly what an UNKNOWN record waits for. Once a record is
+// settled or taken over, the token has lost it.
+func (p FinishParams) Apply(r *Record) error {
+	if r == nil || r.Token != p.Token || (r.State != StateInProgress && r.State != StateUnknown) {
+		return ErrLeaseLost
+	}
+	r.State = p.State
+	r.Response = p.Response
+	r.Expires = p.Expires
+	r.Updated = p.Now
+	return nil
+}
+
+// GetParams asks a store for one record.
+type GetParams struct {
+	Scope, Key string
+	// Now decides whether a terminal record has expired.
+	Now time.Time
+}
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p GetParams) Validate() error {
+	if err := ValidateScope(p.Scope); err != nil {
+		return err
+	}
+	if err := ValidateKey(p.Key); err != nil {
+		return err
+	}
+	if p.Now.IsZero() {
+		return invalid("now is zero")
+	}
+	return nil
+}
+
+// ScanParams asks a store for a page of stale records.
+type ScanParams struct {
+	// Now decides which IN_PROGRESS records have run out of lease.
+	Now time.Time
+	// Limit is the most records to return; zero means [DefaultScanLimit].
+	Limit int
+	// Cursor continues a scan: empty to start, then the previous page's
+	// ScanResult.Cursor.
+	Cursor string
+}
+
+// DefaultScanLimit is the page size of a scan when none is given.
+const DefaultScanLimit = 100
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p ScanParams) Validate() error {
+	if p.Now.IsZero() {
+		return invalid("now is zero")
+	}
+	if p.Limit < 0 {
+		return invalid("negative scan limit")
+	}
+	return nil
+}
+
+// PageSize is the page size asked for: Limit, or [DefaultScanLimit].
+func (p ScanParams) PageSize() int {
+	if p.Limit == 0 {
+		return DefaultScanLimit
+	}
+	return p.Limit
+}
+
+// ScanResult is one page of a scan. Records that change during a scan may be
+// missed or returned twice; a reconciler simply scans again. Records stale at
+// the scan's Now that do not change are returned exactly once over the pages.
+type ScanResult struct {
+	Records []Record
+	// Cursor continues the scan; empty when it is complete.
+	Cursor string
+}
+
+// PruneParams asks a store to delete expired records.
+type PruneParams struct {
+	// Now: terminal records with Expires at or before it are deleted.
+	Now time.Time
+	// Limit is the most records to delete in one call; zero means
+	// [DefaultPruneLimit].
+	Limit int
+}
+
+// DefaultPruneLimit is the batch size of a prune when none is given.
+const DefaultPruneLimit = 1000
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p PruneParams) Validate() error {
+	if p.Now.IsZero() {
+		return invalid("now is zero")
+	}
+	if p.Limit < 0 {
+		return invalid("negative prune limit")
+	}
+	return nil
+}
+
+// BatchSize is the batch size asked for: Limit, or [DefaultPruneLimit].
+func (p PruneParams) BatchSize() int {
+	if p.Limit == 0 {
+		return DefaultPruneLimit
+	}
+	return p.Limit
+}
+
+// MaxTokenLen is the longest lease token a store accepts.
+const MaxTokenLen = 64
+
+// MaxFingerprintLen is the longest fingerprint a store accepts.
+const MaxFingerprintLen = 255
+
+func validateRef(scope, key, token string, now time.Time) error {
+	if err := ValidateScope(scope); err != nil {
+		return err
+	}
+	if err := ValidateKey(key); err != nil {
+		return err
+	}
+	if token == "" || len(token) > MaxTokenLen || nonPrintable(token) >= 0 {
+		return invalid("lease token must be 1 to %d bytes of printable ASCII", MaxTokenLen)
+	}
+	if now.IsZero() {
+		return invalid("now is zero")
+	}
+	return nil
+}
+
+func validateFingerprint(f Fingerprint) error {
+	if f == "" || len(f) > MaxFingerprintLen || nonPrintable(string(f)) >= 0 {
+		return invalid("fingerprint must be 1 to %d bytes of printable ASCII", MaxFingerprintLen)
+	}
+	return nil
+}
+
+// responseVersion is the version of the encoding MarshalBinary writes.
+const responseVersion = 1
+
+type responseJSON struct {
+	V      int                 `json:"v"`
+	Status int                 `json:"status"`
+	Header map[string][]string `json:"header,omitempty"`
+	Body   []byte              `json:"body,omitempty"`
+}
+
+// MarshalBinary encodes r for storage, in a versioned self-describing form.
+// Stores that keep the response as one value use it.
+func (r *Response) MarshalBinary() ([]byte, error) {
+	return json.Marshal(responseJSON{V: responseVersion, Status: r.Status, Header: r.Header, Body: r.Body})
+}
+
+// UnmarshalBinary decodes what MarshalBinary encoded.
+func (r *Response) UnmarshalBinary(data []byte) error {
+	var j responseJSON
+	if err := json.Unmarshal(data, &j); err != nil {
+		return fmt.Errorf("idem: decoding stored response: %w", err)
+	}
+	if j.V != responseVersion {
+		return fmt.Errorf("idem: stored response has encoding version %d, this build reads %d", j.V, responseVersion)
+	}
+	*r = Response{Status: j.Status, Header: j.Header, Body: j.Body}
+	return nil
+}

@@ -1,0 +1,765 @@
+// Package storetest is the conformance suite every [idem.Store] passes
+// unchanged. A store's own tests call [Run] with a function that makes a fresh,
+// isolated store:
+//
+//	func TestConformance(t *testing.T) {
+//		storetest.Run(t, func(t *testing.T) idem.Store { return memstore.New() })
+//	}
+//
+// Time is moved by hand: every store call carries the engine's clock reading,
+// so no case sleeps. Times the suite uses are whole milliseconds, so a store
+// must keep at least millisecond precision.
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+)
+
+// Racers is how many goroutines race for one key in the concurrency cases.
+const Racers = 200
+
+// Run runs every case of the suite as a parallel subtest. newStore is called
+// once per subtest and must return an empty store of its own (own schema, key
+// prefix or file), releasing it with t.Cleanup.
+func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
+	cases := []struct {
+		name string
+		fn   func(t *testing.T, h *harness)
+	}{
+		{"AcquireCreatesRecord", testAcquireCreatesRecord},
+		{"ConcurrentAcquireOneWinner", testConcurrentAcquireOneWinner},
+		{"ConcurrentTakeoverOneWinner", testConcurrentTakeoverOneWinner},
+		{"ConcurrentExpiryNeverExecutes", testConcurrentExpiryNeverExecutes},
+		{"ConcurrentDistinctKeys", testConcurrentDistinctKeys},
+		{"StaleTokenLosesEveryWrite", testStaleTokenLosesEveryWrite},
+		{"RenewExtendsLease", testRenewExtendsLease},
+		{"ExpiredLeaseBecomesUnknown", testExpiredLeaseBecomesUnknown},
+		{"TakeoverWhenDeclared", testTakeoverWhenDeclared},
+		{"ReplayIsByteIdentical", testReplayIsByteIdentical},
+		{"ReleaseFreesKey", testReleaseFreesKey},
+		{"MarkUnknown", testMarkUnknown},
+		{"RetentionExpiresOutcome", testRetentionExpiresOutcome},
+		{"PruneKeepsLiveAndUnsettled", testPruneKeepsLiveAndUnsettled},
+		{"ScanFindsStaleRecords", testScanFindsStaleRecords},
+		{"ScopesIsolateKeys", testScopesIsolateKeys},
+		{"KeysStoredAsSent", testKeysStoredAsSent},
+		{"InvalidInput", testInvalidInput},
+		{"MissingRecord", testMissingRecord},
+		{"CanceledContext", testCanceledContext},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			store := newStore(t)
+			clock := NewClock(time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC))
+			eng, err := idem.New(idem.Config{Store: store, Clock: clock, Lease: lease, Retention: retention})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.fn(t, &harness{store: store, clock: clock, eng: eng})
+		})
+	}
+}
+
+const (
+	lease     = 30 * time.Second
+	retention = time.Hour
+)
+
+// Clock is a clock moved by hand, safe for concurrent use.
+type Clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+// NewClock returns a clock that reads start until moved.
+func NewClock(start time.Time) *Clock { return &Clock{now: start} }
+
+// Now implements [idem.Clock].
+func (c *Clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+// Advance moves the clock forward by d.
+func (c *Clock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+type harness struct {
+	store idem.Store
+	clock *Clock
+	eng   *idem.Engine
+}
+
+var ctx = context.Background()
+
+func fp(body string) idem.Fingerprint {
+	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
+}
+
+func (h *harness) begin(t *testing.T, scope, key string, f idem.Fingerprint) idem.Outcome {
+	t.Helper()
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: scope, Key: key, Fingerprint: f})
+	if err != nil {
+		t.Fatalf("Begin(%q, %q): %v", scope, key, err)
+	}
+	return out
+}
+
+func (h *harness) mustExecute(t *testing.T, scope, key string, f idem.Fingerprint) idem.Lease {
+	t.Helper()
+	out := h.begin(t, scope, key, f)
+	if out.Decision != idem.Execute {
+		t.Fatalf("Begin(%q, %q) = %v, want execute (record %+v)", scope, key, out.Decision, out.Record)
+	}
+	return out.Lease
+}
+
+func (h *harness) expect(t *testing.T, scope, key string, f idem.Fingerprint, want idem.Decision) idem.Outcome {
+	t.Helper()
+	out := h.begin(t, scope, key, f)
+	if out.Decision != want {
+		t.Fatalf("Begin(%q, %q) = %v, want %v (record %+v)", scope, key, out.Decision, want, out.Record)
+	}
+	return out
+}
+
+func (h *harness) get(t *testing.T, scope, key string) idem.Record {
+	t.Helper()
+	r, err := h.eng.Get(ctx, scope, key)
+	if err != nil {
+		t.Fatalf("Get(%q, %q): %v", scope, key, err)
+	}
+	return r
+}
+
+func (h *harness) complete(t *testing.T, l idem.Lease, resp *idem.Response) {
+	t.Helper()
+	if err := h.eng.Complete(ctx, l, resp); err != nil {
+		t.Fatalf("Complete(%q): %v", l.Key, err)
+	}
+}
+
+func wantErr(t *testing.T, what string, err, target error) {
+	t.Helper()
+	if !errors.Is(err, target) {
+		t.Fatalf("%s: err = %v, want %v", what, err, target)
+	}
+}
+
+func okResponse(body string) *idem.Response {
+	return &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(body)}
+}
+
+func sameResponse(t *testing.T, got, want *idem.Response) {
+	t.Helper()
+	if got == nil || want == nil {
+		if got != want {
+			t.Fatalf("response = %+v, want %+v", got, want)
+		}
+		return
+	}
+	if got.Status != want.Status {
+		t.Fatalf("status = %d, want %d", got.Status, want.Status)
+	}
+	if len(got.Header) != 0 || len(want.Header) != 0 {
+		if !reflect.DeepEqual(got.Header, want.Header) {
+			t.Fatalf("header = %v, want %v", got.Header, want.Header)
+		}
+	}
+	if !bytes.Equal(got.Body, want.Body) {
+		t.Fatalf("body differs: got %d bytes, want %d bytes", len(got.Body), len(want.Body))
+	}
+}
+
+// race runs fn on Racers goroutines released together, and returns their
+// outcomes.
+func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
+	t.Helper()
+	outs := make([]idem.Outcome, Racers)
+	errs := make([]error, Racers)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range Racers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			outs[i], errs[i] = fn()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatalf("racer: %v", err)
+		}
+	}
+	return outs
+}
+
+func count(outs []idem.Outcome) map[idem.Decision]int {
+	m := map[idem.Decision]int{}
+	for _, o := range outs {
+		m[o.Decision]++
+	}
+	return m
+}
+
+func testAcquireCreatesRecord(t *testing.T, h *harness) {
+	now := h.clock.Now()
+	l := h.mustExecute(t, "s", "k1", fp("a"))
+	if len(l.Token) != 32 {
+		t.Errorf("token %q is not 128 bits in hex", l.Token)
+	}
+	if l.Fence != 1 || !l.Expires.Equal(now.Add(lease)) {
+		t.Errorf("lease = %+v, want fence 1 expiring at %v", l, now.Add(lease))
+	}
+	r := h.get(t, "s", "k1")
+	if r.Scope != "s" || r.Key != "k1" || r.State != idem.StateInProgress || r.Fingerprint != fp("a") ||
+		r.Token != l.Token || r.Fence != 1 || !r.LeaseExpires.Equal(l.Expires) || r.TakeoverSafe ||
+		r.Response != nil || !r.Created.Equal(now) || !r.Updated.Equal(now) || !r.Expires.IsZero() {
+		t.Errorf("stored record = %+v", r)
+	}
+}
+
+func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
+	outs := race(t, func() (idem.Outcome, error) {
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("a")})
+	})
+	c := count(outs)
+	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
+		t.Fatalf("decisions = %v, want 1 execute and %d in flight", c, Racers-1)
+	}
+	var winner idem.Lease
+	for _, o := range outs {
+		if o.Decision == idem.Execute {
+			winner = o.Lease
+		} else if o.RetryAfter < time.Second {
+			t.Fatalf("in-flight RetryAfter = %v, want at least 1s", o.RetryAfter)
+		}
+	}
+	resp := okResponse(`{"id":"ch_1"}`)
+	h.complete(t, winner, resp)
+
+	for _, o := range race(t, func() (idem.Outcome, error) {
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("a")})
+	}) {
+		if o.Decision != idem.Replay {
+			t.Fatalf("after completion: decision %v, want replay", o.Decision)
+		}
+		sameResponse(t, o.Record.Response, resp)
+	}
+	for _, o := range race(t, func() (idem.Outcome, error) {
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("b")})
+	}) {
+		if o.Decision != idem.Mismatch || !reflect.DeepEqual(o.Diff, []string{"body"}) {
+			t.Fatalf("other payload: decision %v diff %v, want mismatch in body", o.Decision, o.Diff)
+		}
+	}
+}
+
+func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
+	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: fp("a"), TakeoverSafe: true})
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatalf("first Begin = %v, %v", first.Decision, err)
+	}
+	h.clock.Advance(lease + time.Millisecond)
+	outs := race(t, func() (idem.Outcome, error) {
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: fp("a"), TakeoverSafe: true})
+	})
+	c := count(outs)
+	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
+		t.Fatalf("decisions after expiry = %v, want exactly one takeover", c)
+	}
+	for _, o := range outs {
+		if o.Decision == idem.Execute && (o.Lease.Fence != 2 || o.Lease.Token == first.Lease.Token) {
+			t.Fatalf("takeover lease = %+v, want fence 2 and a new token", o.Lease)
+		}
+	}
+}
+
+func testConcurrentExpiryNeverExecutes(t *testing.T, h *harness) {
+	h.mustExecute(t, "s", "crash", fp("a"))
+	h.clock.Advance(lease)
+	c := count(race(t, func() (idem.Outcome, error) {
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "crash", Fingerprint: fp("a")})
+	}))
+	if c[idem.Uncertain] != Racers {
+		t.Fatalf("decisions after an expired lease = %v, want all %d uncertain", c, Racers)
+	}
+}
+
+func testConcurrentDistinctKeys(t *testing.T, h *harness) {
+	var wg sync.WaitGroup
+	errs := make(chan error, Racers)
+	for i := range Racers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := fmt.Sprintf("key-%d", i)
+			body := fmt.Sprintf(`{"n":%d}`, i)
+			out, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: fp(body)})
+			if err != nil || out.Decision != idem.Execute {
+				errs <- fmt.Errorf("%s: Begin = %v, %v", key, out.Decision, err)
+				return
+			}
+			if err := h.eng.Complete(ctx, out.Lease, okResponse(body)); err != nil {
+				errs <- fmt.Errorf("%s: Complete: %v", key, err)
+				return
+			}
+			again, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: fp(body)})
+			if err != nil || again.Decision != idem.Replay || string(again.Record.Response.Body) != body {
+				errs <- fmt.Errorf("%s: replay = %v, %v", key, again.Decision, err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	forged := l
+	forged.Token = strings.Repeat("0", 32)
+	_, err := h.eng.Renew(ctx, forged)
+	wantErr(t, "Renew with a forged token", err, idem.ErrLeaseLost)
+	wantErr(t, "Complete with a forged token", h.eng.Complete(ctx, forged, okResponse("x")), idem.ErrLeaseLost)
+	wantErr(t, "Release with a forged token", h.eng.Release(ctx, forged), idem.ErrLeaseLost)
+	wantErr(t, "MarkUnknown with a forged token", h.eng.MarkUnknown(ctx, forged), idem.ErrLeaseLost)
+	if r := h.get(t, "s", "k"); r.State != idem.StateInProgress || r.Token != l.Token {
+		t.Fatalf("forged writes changed the record: %+v", r)
+	}
+
+	resp := okResponse("done")
+	h.complete(t, l, resp)
+	_, err = h.eng.Renew(ctx, l)
+	wantErr(t, "Renew after Complete", err, idem.ErrLeaseLost)
+	wantErr(t, "second Complete", h.eng.Complete(ctx, l, okResponse("other")), idem.ErrLeaseLost)
+	wantErr(t, "Release after Complete", h.eng.Release(ctx, l), idem.ErrLeaseLost)
+	wantErr(t, "MarkUnknown after Complete", h.eng.MarkUnknown(ctx, l), idem.ErrLeaseLost)
+	r := h.get(t, "s", "k")
+	if r.State != idem.StateCompleted {
+		t.Fatalf("state = %v, want completed", r.State)
+	}
+	sameResponse(t, r.Response, resp)
+}
+
+func testRenewExtendsLease(t *testing.T, h *harness) {
+	t0 := h.clock.Now()
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	h.clock.Advance(20 * time.Second)
+	l, err := h.eng.Renew(ctx, l)
+	if err != nil {
+		t.Fatalf("Renew: %v", err)
+	}
+	if want := t0.Add(20*time.Second + lease); !l.Expires.Equal(want) {
+		t.Fatalf("renewed lease expires %v, want %v", l.Expires, want)
+	}
+	if r := h.get(t, "s", "k"); !r.LeaseExpires.Equal(l.Expires) {
+		t.Fatalf("stored lease expires %v, want %v", r.LeaseExpires, l.Expires)
+	}
+	h.clock.Advance(20 * time.Second) // past the first lease, inside the renewed one
+	out := h.expect(t, "s", "k", fp("a"), idem.InFlight)
+	if out.RetryAfter != 10*time.Second {
+		t.Fatalf("RetryAfter = %v, want 10s", out.RetryAfter)
+	}
+	h.clock.Advance(10 * time.Second) // exactly at expiry: too late to renew
+	_, err = h.eng.Renew(ctx, l)
+	wantErr(t, "Renew at expiry", err, idem.ErrLeaseLost)
+}
+
+func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	h.mustExecute(t, "s", "other", fp("a"))
+	h.clock.Advance(lease)
+	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	if r := h.get(t, "s", "k"); r.State != idem.StateUnknown || r.Token != l.Token {
+		t.Fatalf("record after expiry = %+v, want unknown under the old token", r)
+	}
+	out := h.expect(t, "s", "other", fp("b"), idem.Mismatch)
+	if r := h.get(t, "s", "other"); r.State != idem.StateUnknown || out.Record.State != idem.StateUnknown {
+		t.Fatalf("expired record seen with another payload is %v, want unknown", r.State)
+	}
+	_, err := h.eng.Renew(ctx, l)
+	wantErr(t, "Renew of an unknown record", err, idem.ErrLeaseLost)
+
+	// The owner's late outcome settles the unknown record.
+	resp := okResponse("late but true")
+	h.complete(t, l, resp)
+	sameResponse(t, h.expect(t, "s", "k", fp("a"), idem.Replay).Record.Response, resp)
+}
+
+func testTakeoverWhenDeclared(t *testing.T, h *harness) {
+	begin := func(f idem.Fingerprint) idem.Outcome {
+		t.Helper()
+		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: f, TakeoverSafe: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	old := begin(fp("a"))
+	if old.Decision != idem.Execute {
+		t.Fatalf("first Begin = %v", old.Decision)
+	}
+	if d := begin(fp("a")).Decision; d != idem.InFlight {
+		t.Fatalf("Begin while the lease runs = %v, want in flight", d)
+	}
+	h.clock.Advance(lease)
+	if out := begin(fp("b")); out.Decision != idem.Mismatch || out.Record.State != idem.StateInProgress {
+		t.Fatalf("other payload after expiry = %v in %v, want mismatch on an in-progress record", out.Decision, out.Record.State)
+	}
+	now := begin(fp("a"))
+	if now.Decision != idem.Execute || now.Lease.Fence != 2 || now.Lease.Token == old.Lease.Token {
+		t.Fatalf("takeover = %v %+v, want execute with fence 2 and a new token", now.Decision, now.Lease)
+	}
+	_, err := h.eng.Renew(ctx, old.Lease)
+	wantErr(t, "old owner's Renew", err, idem.ErrLeaseLost)
+	wantErr(t, "old owner's Complete", h.eng.Complete(ctx, old.Lease, okResponse("stale")), idem.ErrLeaseLost)
+	wantErr(t, "old owner's Release", h.eng.Release(ctx, old.Lease), idem.ErrLeaseLost)
+	resp := okResponse("fresh")
+	h.complete(t, now.Lease, resp)
+	out := begin(fp("a"))
+	if out.Decision != idem.Replay || out.Record.Fence != 2 {
+		t.Fatalf("after takeover completed: %v fence %d", out.Decision, out.Record.Fence)
+	}
+	sameResponse(t, out.Record.Response, resp)
+}
+
+func testReplayIsByteIdentical(t *testing.T, h *harness) {
+	every := make([]byte, 256)
+	for i := range every {
+		every[i] = byte(i)
+	}
+	large := bytes.Repeat([]byte("0123456789abcdef"), 64*1024) // 1 MiB
+	cases := []*idem.Response{
+		{Status: 500, Header: http.Header{
+			"Content-Type":   {"application/octet-stream"},
+			"X-Multi":        {"one", "two", ""},
+			"X-Quoted":       {`"a", b; c=d`},
+			"Content-Length": {"256"},
+		}, Body: every},
+		{Status: 204},
+		{Status: 200, Header: http.Header{"Content-Type": {"text/plain; charset=utf-8"}}, Body: large},
+		{Status: 202, Body: []byte("héllo wörld \u2603")},
+	}
+	for i, resp := range cases {
+		key := fmt.Sprintf("replay-%d", i)
+		l := h.mustExecute(t, "s", key, fp(key))
+		h.complete(t, l, resp)
+		r := h.get(t, "s", key)
+		sameResponse(t, r.Response, resp)
+		out := h.expect(t, "s", key, fp(key), idem.Replay)
+		sameResponse(t, out.Record.Response, resp)
+		if !out.Record.Expires.Equal(h.clock.Now().Add(retention)) {
+			t.Fatalf("expires = %v, want now + retention", out.Record.Expires)
+		}
+	}
+}
+
+func testReleaseFreesKey(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	if err := h.eng.Release(ctx, l); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if r := h.get(t, "s", "k"); r.State != idem.StateFailed || r.Response != nil || r.Expires.IsZero() {
+		t.Fatalf("released record = %+v, want failed with an expiry", r)
+	}
+	again := h.mustExecute(t, "s", "k", fp("a"))
+	if again.Fence != 2 || again.Token == l.Token {
+		t.Fatalf("re-run lease = %+v, want fence 2 and a new token", again)
+	}
+	wantErr(t, "released owner's Complete", h.eng.Complete(ctx, l, okResponse("x")), idem.ErrLeaseLost)
+	if err := h.eng.Release(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	// A released key binds no payload: nothing happened under it.
+	third := h.mustExecute(t, "s", "k", fp("other"))
+	if third.Fence != 3 {
+		t.Fatalf("third lease fence = %d, want 3", third.Fence)
+	}
+	if r := h.get(t, "s", "k"); r.Fingerprint != fp("other") || !r.Expires.IsZero() {
+		t.Fatalf("re-acquired record = %+v", r)
+	}
+}
+
+func testMarkUnknown(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	if err := h.eng.MarkUnknown(ctx, l); err != nil {
+		t.Fatalf("MarkUnknown: %v", err)
+	}
+	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	h.clock.Advance(48 * time.Hour) // unsettled records never expire
+	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "k" || res.Records[0].State != idem.StateUnknown {
+		t.Fatalf("Scan = %+v, %v; want the unknown record", res, err)
+	}
+	if err := h.eng.Release(ctx, l); err != nil {
+		t.Fatalf("owner's late Release of its unknown record: %v", err)
+	}
+	h.mustExecute(t, "s", "k", fp("a"))
+}
+
+func testRetentionExpiresOutcome(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "done", fp("a"))
+	h.complete(t, l, okResponse("x"))
+	f := h.mustExecute(t, "s", "failed", fp("a"))
+	if err := h.eng.Release(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	h.clock.Advance(retention - time.Millisecond)
+	h.expect(t, "s", "done", fp("a"), idem.Replay)
+	h.get(t, "s", "failed")
+	h.clock.Advance(time.Millisecond)
+	for _, key := range []string{"done", "failed"} {
+		_, err := h.eng.Get(ctx, "s", key)
+		wantErr(t, "Get of an expired record", err, idem.ErrNotFound)
+		if l := h.mustExecute(t, "s", key, fp("b")); l.Fence != 1 {
+			t.Fatalf("expired key %q: new lease fence = %d, want 1", key, l.Fence)
+		}
+	}
+	// Per-request retention overrides the engine's.
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "short", Fingerprint: fp("a"), Retention: time.Minute})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin with retention: %v, %v", out.Decision, err)
+	}
+	h.complete(t, out.Lease, okResponse("x"))
+	if r := h.get(t, "s", "short"); !r.Expires.Equal(h.clock.Now().Add(time.Minute)) {
+		t.Fatalf("expires = %v, want a minute from now", r.Expires)
+	}
+}
+
+func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
+	for i := range 5 {
+		l := h.mustExecute(t, "s", fmt.Sprintf("old-%d", i), fp("a"))
+		if i < 3 {
+			h.complete(t, l, okResponse("x"))
+		} else if err := h.eng.Release(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.mustExecute(t, "s", "running", fp("a"))
+	u := h.mustExecute(t, "s", "unknown", fp("a"))
+	if err := h.eng.MarkUnknown(ctx, u); err != nil {
+		t.Fatal(err)
+	}
+	h.clock.Advance(retention)
+	live := h.mustExecute(t, "s", "live", fp("a"))
+	h.complete(t, live, okResponse("x"))
+
+	total := 0
+	for {
+		n, err := h.store.Prune(ctx, idem.PruneParams{Now: h.clock.Now(), Limit: 2})
+		if err != nil {
+			t.Fatalf("Prune: %v", err)
+		}
+		if n < 0 || n > 2 {
+			t.Fatalf("Prune with limit 2 deleted %d", n)
+		}
+		total += n
+		if n < 2 {
+			break
+		}
+	}
+	if total > 5 {
+		t.Fatalf("Prune deleted %d records, only 5 had expired", total)
+	}
+	for i := range 5 {
+		_, err := h.eng.Get(ctx, "s", fmt.Sprintf("old-%d", i))
+		wantErr(t, "Get after prune", err, idem.ErrNotFound)
+	}
+	if r := h.get(t, "s", "running"); r.State != idem.StateInProgress {
+		t.Fatalf("prune touched the running record: %+v", r)
+	}
+	if r := h.get(t, "s", "unknown"); r.State != idem.StateUnknown {
+		t.Fatalf("prune touched the unknown record: %+v", r)
+	}
+	h.expect(t, "s", "live", fp("a"), idem.Replay)
+	if n, err := h.eng.Prune(ctx); err != nil || n != 0 {
+		t.Fatalf("second Prune = %d, %v; want nothing left to delete", n, err)
+	}
+}
+
+func testScanFindsStaleRecords(t *testing.T, h *harness) {
+	want := map[string]bool{}
+	for i := range 15 { // leases that will run out
+		key := fmt.Sprintf("expired-%02d", i)
+		h.mustExecute(t, fmt.Sprintf("scope-%d", i%3), key, fp("a"))
+		want[key] = true
+	}
+	for i := range 10 { // declared unknown
+		key := fmt.Sprintf("unknown-%02d", i)
+		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", key, fp("a"))); err != nil {
+			t.Fatal(err)
+		}
+		want[key] = true
+	}
+	h.clock.Advance(lease)
+	for i := range 5 { // still running, settled, released: not stale
+		h.mustExecute(t, "s", fmt.Sprintf("running-%d", i), fp("a"))
+		h.complete(t, h.mustExecute(t, "s", fmt.Sprintf("done-%d", i), fp("a")), okResponse("x"))
+		if err := h.eng.Release(ctx, h.mustExecute(t, "s", fmt.Sprintf("failed-%d", i), fp("a"))); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	seen := map[string]bool{}
+	cursor, pages := "", 0
+	for {
+		res, err := h.eng.Scan(ctx, 7, cursor)
+		if err != nil {
+			t.Fatalf("Scan: %v", err)
+		}
+		pages++
+		if len(res.Records) > 7 || pages > 10 {
+			t.Fatalf("page %d has %d records with limit 7", pages, len(res.Records))
+		}
+		for _, r := range res.Records {
+			if seen[r.Key] {
+				t.Fatalf("Scan returned %q twice", r.Key)
+			}
+			seen[r.Key] = true
+			if !r.Stale(h.clock.Now()) {
+				t.Fatalf("Scan returned a record that is not stale: %+v", r)
+			}
+		}
+		if cursor = res.Cursor; cursor == "" {
+			break
+		}
+	}
+	if !reflect.DeepEqual(seen, want) {
+		t.Fatalf("Scan found %d records %v, want the %d stale ones", len(seen), seen, len(want))
+	}
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != len(want) {
+		t.Fatalf("Scan with the default limit: %d records, %v; want %d", len(res.Records), err, len(want))
+	}
+}
+
+func testScopesIsolateKeys(t *testing.T, h *harness) {
+	a := h.mustExecute(t, "tenant-a", "shared-key", fp("a"))
+	b := h.mustExecute(t, "tenant-b", "shared-key", fp("b"))
+	none := h.mustExecute(t, "", "shared-key", fp("c"))
+	respA, respB := okResponse("for a"), okResponse("for b")
+	h.complete(t, a, respA)
+	h.expect(t, "tenant-b", "shared-key", fp("b"), idem.InFlight)
+	h.complete(t, b, respB)
+	sameResponse(t, h.expect(t, "tenant-a", "shared-key", fp("a"), idem.Replay).Record.Response, respA)
+	sameResponse(t, h.expect(t, "tenant-b", "shared-key", fp("b"), idem.Replay).Record.Response, respB)
+	h.expect(t, "", "shared-key", fp("c"), idem.InFlight)
+	if err := h.eng.Release(ctx, none); err != nil {
+		t.Fatal(err)
+	}
+	// Scope and key are not concatenated: ("a:b", "c") is not ("a", "b:c").
+	h.mustExecute(t, "a:b", "c", fp("a"))
+	h.mustExecute(t, "a", "b:c", fp("a"))
+}
+
+func testKeysStoredAsSent(t *testing.T, h *harness) {
+	var printable strings.Builder
+	for c := byte(0x20); c <= 0x7e; c++ {
+		printable.WriteByte(c)
+	}
+	keys := []string{
+		strings.Repeat("k", idem.MaxKeyLen),
+		printable.String(),
+		"018f6f2e-7b1a-7c3d-9e4f-0a1b2c3d4e5f",
+		`{tag}:*?[]"'\%_`,
+		" leading and trailing ",
+	}
+	scope := strings.Repeat("s", idem.MaxScopeLen)
+	for _, key := range keys {
+		l := h.mustExecute(t, scope, key, fp("a"))
+		h.complete(t, l, okResponse(key))
+		r := h.get(t, scope, key)
+		if r.Key != key || r.Scope != scope || string(r.Response.Body) != key {
+			t.Fatalf("key %q stored as %q in scope %q", key, r.Key, r.Scope)
+		}
+	}
+	if _, err := h.eng.Get(ctx, scope, strings.ToUpper(keys[2])); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("keys must be case-sensitive: Get of the upper-cased key = %v", err)
+	}
+}
+
+func testInvalidInput(t *testing.T, h *harness) {
+	now := h.clock.Now()
+	tok := strings.Repeat("a", 32)
+	for name, p := range map[string]idem.BeginParams{
+		"empty key":          {Key: "", Fingerprint: fp("a")},
+		"key over 255 bytes": {Key: strings.Repeat("k", idem.MaxKeyLen+1), Fingerprint: fp("a")},
+		"key with newline":   {Key: "a\nb", Fingerprint: fp("a")},
+		"key not ASCII":      {Key: "clé", Fingerprint: fp("a")},
+		"scope over 255":     {Scope: strings.Repeat("s", idem.MaxScopeLen+1), Key: "k", Fingerprint: fp("a")},
+		"scope with NUL":     {Scope: "a\x00b", Key: "k", Fingerprint: fp("a")},
+		"no fingerprint":     {Key: "k"},
+		"negative lease":     {Key: "k", Fingerprint: fp("a"), Lease: -time.Second},
+	} {
+		_, err := h.eng.Begin(ctx, p)
+		wantErr(t, "Begin with "+name, err, idem.ErrInvalid)
+	}
+	store := map[string]error{}
+	_, store["Acquire without token"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Now: now, LeaseExpires: now.Add(lease)})
+	_, store["Acquire with a lease already over"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, Now: now, LeaseExpires: now})
+	_, store["Acquire without a time"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, LeaseExpires: now.Add(lease)})
+	store["Renew without token"] = h.store.Renew(ctx, idem.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
+	store["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
+	store["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
+	store["Finish as in progress"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateInProgress})
+	store["Finish failed with a response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateFailed, Response: okResponse("x"), Expires: now.Add(time.Hour)})
+	store["Finish completed without expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: okResponse("x")})
+	store["Finish unknown with expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateUnknown, Expires: now.Add(time.Hour)})
+	_, store["Get with empty key"] = h.store.Get(ctx, idem.GetParams{Now: now})
+	_, store["Scan with negative limit"] = h.store.Scan(ctx, idem.ScanParams{Now: now, Limit: -1})
+	_, store["Prune without a time"] = h.store.Prune(ctx, idem.PruneParams{})
+	for name, err := range store {
+		wantErr(t, name, err, idem.ErrInvalid)
+	}
+	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", fp("a")), nil); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("Complete with a nil response: %v, want ErrInvalid", err)
+	}
+	if _, err := h.eng.Get(ctx, "", "k"); err != nil {
+		t.Fatalf("the record survives invalid writes: %v", err)
+	}
+}
+
+func testMissingRecord(t *testing.T, h *harness) {
+	_, err := h.eng.Get(ctx, "s", "absent")
+	wantErr(t, "Get of a missing record", err, idem.ErrNotFound)
+	ghost := idem.Lease{Scope: "s", Key: "absent", Token: strings.Repeat("f", 32), Duration: lease, Retention: retention}
+	_, err = h.eng.Renew(ctx, ghost)
+	wantErr(t, "Renew of a missing record", err, idem.ErrLeaseLost)
+	wantErr(t, "Complete of a missing record", h.eng.Complete(ctx, ghost, okResponse("x")), idem.ErrLeaseLost)
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != 0 || res.Cursor != "" {
+		t.Fatalf("Scan of an empty store = %+v, %v", res, err)
+	}
+}
+
+func testCanceledContext(t *testing.T, h *harness) {
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	_, err := h.eng.Begin(canceled, idem.BeginParams{Key: "k", Fingerprint: fp("a")})
+	wantErr(t, "Begin with a canceled context", err, context.Canceled)
+	_, err = h.eng.Get(ctx, "", "k")
+	wantErr(t, "Get after a canceled Begin", err, idem.ErrNotFound)
+}
