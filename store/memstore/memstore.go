@@ -164,4 +164,3 @@ func cloneResponse(r *idem.Response) *idem.Response {
 	}
 	return &idem.Response{Status: r.Status, Header: r.Header.Clone(), Body: slices.Clone(r.Body)}
 }
-
