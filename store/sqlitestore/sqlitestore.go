@@ -1,0 +1,396 @@
+// Package sqlitestore is an [idem.Store] in a SQLite file: idem's embedded
+// default. It needs no server and no set-up, it is pure Go (modernc.org/sqlite,
+// no cgo), and it is durable: a record written is on disk when the call
+// returns (WAL journal, synchronous=FULL), so it survives a crash or restart of
+// the process and of the machine.
+//
+// It is for one instance (one process, or several processes on one machine
+// sharing the file). Instances on several machines need a networked store.
+//
+// # Costs
+//
+// Nothing crosses a network. Each write (acquire, renew, finish) is one
+// transaction with one fsync of the WAL; a replay is one read transaction
+// and no write. Writers in one process are serialised by a mutex (SQLite
+// allows one writer at a time anyway, and the mutex spares them its
+// busy-wait backoff); writers in other processes wait on the busy timeout.
+//
+// # Atomicity
+//
+// Acquire, renew and finish each run as a BEGIN IMMEDIATE transaction: read
+// the row, apply the root package's transition ([idem.AcquireParams.Apply],
+// ...) and write it back, holding SQLite's write lock throughout.
+//
+// # Transactional completion
+//
+// [Store.DB] is the store's database, so an application can keep its own
+// tables in the same file and complete a record in the same transaction as
+// its business writes with [Store.FinishTx].
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemhq/idem"
+	"modernc.org/sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
+)
+
+var _ idem.Store = (*Store)(nil)
+
+// DefaultBusyTimeout is how long a writer waits for another process's write
+// lock when [Config.BusyTimeout] is zero.
+const DefaultBusyTimeout = 10 * time.Second
+
+// Config configures [Open].
+type Config struct {
+	// Path is the database file, created if missing. Required.
+	Path string
+	// BusyTimeout is how long a write waits for another process holding the
+	// write lock before failing with [idem.ErrUnavailable]. Defaults to
+	// [DefaultBusyTimeout].
+	BusyTimeout time.Duration
+}
+
+// Store keeps records in a SQLite database. Close it when done.
+type Store struct {
+	db *sql.DB
+	mu sync.Mutex // serialises this process's write transactions
+}
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Open opens (creating if needed) the database at cfg.Path and applies the
+// embedded migrations.
+func Open(ctx context.Context, cfg Config) (*Store, error) {
+	if cfg.Path == "" {
+		return nil, fmt.Errorf("%w: sqlitestore: no path", idem.ErrInvalid)
+	}
+	busy := cfg.BusyTimeout
+	if busy == 0 {
+		busy = DefaultBusyTimeout
+	}
+	q := url.Values{}
+	q.Set("_txlock", "immediate")
+	q.Set("_busy_timeout", strconv.FormatInt(busy.Milliseconds(), 10))
+	q.Set("_journal_mode", "WAL")
+	q.Set("_synchronous", "FULL")
+	dsn := "file:" + (&url.URL{Path: cfg.Path}).EscapedPath() + "?" + q.Encode()
+	db, err := sql.Open("sqlite", dsn)
+	if err != nil {
+		return nil, fmt.Errorf("sqlitestore: open %s: %w", cfg.Path, err)
+	}
+	s := &Store{db: db}
+	if err := s.migrate(ctx); err != nil {
+		db.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// DB returns the store's database, for an application's own tables and for
+// transactions that [Store.FinishTx] joins.
+func (s *Store) DB() *sql.DB { return s.db }
+
+// Close closes the database.
+func (s *Store) Close() error { return s.db.Close() }
+
+// migrate applies, in order, every embedded migration newer than the file's
+// user_version, in one write transaction.
+func (s *Store) migrate(ctx context.Context) error {
+	names, err := fs.Glob(migrations, "migrations/*.sql")
+	if err != nil {
+		return err
+	}
+	slices.Sort(names)
+	return s.write(ctx, "migrate", func(tx *sql.Tx) error {
+		var version int
+		if err := tx.QueryRowContext(ctx, "PRAGMA user_version").Scan(&version); err != nil {
+			return err
+		}
+		for i, name := range names {
+			if i < version {
+				continue
+			}
+			ddl, err := migrations.ReadFile(name)
+			if err != nil {
+				return err
+			}
+			if _, err := tx.ExecContext(ctx, string(ddl)); err != nil {
+				return fmt.Errorf("applying %s: %w", name, err)
+			}
+		}
+		_, err := tx.ExecContext(ctx, "PRAGMA user_version = "+strconv.Itoa(len(names)))
+		return err
+	})
+}
+
+const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires`
+
+// Acquire implements [idem.Store].
+func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	if err := p.Validate(); err != nil {
+		return idem.Record{}, err
+	}
+	var next idem.Record
+	err := s.write(ctx, "acquire", func(tx *sql.Tx) error {
+		existing, err := get(ctx, tx, p.Scope, p.Key)
+		if err != nil {
+			return err
+		}
+		var write bool
+		next, write = p.Apply(existing)
+		if write {
+			return put(ctx, tx, &next)
+		}
+		return nil
+	})
+	return next, err
+}
+
+// Renew implements [idem.Store].
+func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	return s.update(ctx, nil, "renew", p.Scope, p.Key, p.Apply)
+}
+
+// Finish implements [idem.Store].
+func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	return s.update(ctx, nil, "finish", p.Scope, p.Key, p.Apply)
+}
+
+// FinishTx settles a record inside the caller's transaction tx, which must be
+// on [Store.DB]: the record's outcome and the caller's own writes commit
+// together, or neither does. On [idem.ErrLeaseLost] the caller must roll tx
+// back, since another owner has the record.
+//
+//	tx, _ := store.DB().BeginTx(ctx, nil)
+//	defer tx.Rollback()
+//	tx.ExecContext(ctx, `INSERT INTO ledger ...`)
+//	if err := store.FinishTx(ctx, tx, eng.FinishParams(lease, idem.StateCompleted, resp)); err != nil {
+//		return err // rolled back: nothing happened
+//	}
+//	return tx.Commit()
+func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p idem.FinishParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	return s.update(ctx, tx, "finish", p.Scope, p.Key, p.Apply)
+}
+
+// update reads the record, applies a transition and writes it back, in tx
+// when given, else in a write transaction of its own.
+func (s *Store) update(ctx context.Context, tx *sql.Tx, op, scope, key string, apply func(*idem.Record) error) error {
+	fn := func(tx *sql.Tx) error {
+		r, err := get(ctx, tx, scope, key)
+		if err != nil {
+			return err
+		}
+		if err := apply(r); err != nil {
+			return err
+		}
+		return put(ctx, tx, r)
+	}
+	if tx != nil {
+		return translate(op, fn(tx))
+	}
+	return s.write(ctx, op, fn)
+}
+
+// write runs fn in a write transaction, committing when it returns nil.
+func (s *Store) write(ctx context.Context, op string, fn func(*sql.Tx) error) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return translate(op, err)
+	}
+	if err := fn(tx); err != nil {
+		tx.Rollback()
+		return translate(op, err)
+	}
+	return translate(op, tx.Commit())
+}
+
+// Get implements [idem.Store].
+func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+	if err := p.Validate(); err != nil {
+		return idem.Record{}, err
+	}
+	r, err := get(ctx, s.db, p.Scope, p.Key)
+	if err != nil {
+		return idem.Record{}, translate("get", err)
+	}
+	if r == nil || !r.Live(p.Now) {
+		return idem.Record{}, idem.ErrNotFound
+	}
+	return *r, nil
+}
+
+// Scan implements [idem.Store]. Pages are in scope and key order; the cursor
+// is the last scope and key returned.
+func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+	if err := p.Validate(); err != nil {
+		return idem.ScanResult{}, err
+	}
+	scope, key, err := decodeCursor(p.Cursor)
+	if err != nil {
+		return idem.ScanResult{}, err
+	}
+	now := p.Now.UnixNano()
+	rows, err := s.db.QueryContext(ctx, `SELECT `+columns+` FROM idem_records
+		WHERE state IN ('in_progress', 'unknown') AND (state = 'unknown' OR lease_expires <= ?)
+		AND (scope > ? OR (scope = ? AND key > ?))
+		ORDER BY scope, key LIMIT ?`, now, scope, scope, key, p.PageSize()+1)
+	if err != nil {
+		return idem.ScanResult{}, translate("scan", err)
+	}
+	defer rows.Close()
+	var res idem.ScanResult
+	for rows.Next() {
+		r, err := scanRecord(rows)
+		if err != nil {
+			return idem.ScanResult{}, translate("scan", err)
+		}
+		if len(res.Records) == p.PageSize() {
+			last := res.Records[len(res.Records)-1]
+			res.Cursor = encodeCursor(last.Scope, last.Key)
+			break
+		}
+		res.Records = append(res.Records, *r)
+	}
+	return res, translate("scan", rows.Err())
+}
+
+// Prune implements [idem.Store].
+func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+	if err := p.Validate(); err != nil {
+		return 0, err
+	}
+	var n int64
+	err := s.write(ctx, "prune", func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `DELETE FROM idem_records WHERE rowid IN (
+			SELECT rowid FROM idem_records
+			WHERE state IN ('completed', 'failed') AND expires <= ? LIMIT ?)`,
+			p.Now.UnixNano(), p.BatchSize())
+		if err != nil {
+			return err
+		}
+		n, err = res.RowsAffected()
+		return err
+	})
+	return int(n), err
+}
+
+type querier interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// get returns the stored row, or nil when there is none.
+func get(ctx context.Context, q querier, scope, key string) (*idem.Record, error) {
+	r, err := scanRecord(q.QueryRowContext(ctx, `SELECT `+columns+` FROM idem_records WHERE scope = ? AND key = ?`, scope, key))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	return r, err
+}
+
+func put(ctx context.Context, tx *sql.Tx, r *idem.Record) error {
+	var resp []byte
+	if r.Response != nil {
+		var err error
+		if resp, err = r.Response.MarshalBinary(); err != nil {
+			return err
+		}
+	}
+	var expires any
+	if !r.Expires.IsZero() {
+		expires = r.Expires.UnixNano()
+	}
+	_, err := tx.ExecContext(ctx, `INSERT OR REPLACE INTO idem_records (`+columns+`)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		r.Scope, r.Key, string(r.State), string(r.Fingerprint), r.Token, r.Fence,
+		r.LeaseExpires.UnixNano(), r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires)
+	return err
+}
+
+func scanRecord(row interface{ Scan(...any) error }) (*idem.Record, error) {
+	var (
+		r                       idem.Record
+		state, fingerprint      string
+		lease, created, updated int64
+		expires                 sql.NullInt64
+		resp                    []byte
+	)
+	err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &lease, &r.TakeoverSafe, &resp, &created, &updated, &expires)
+	if err != nil {
+		return nil, err
+	}
+	r.State, r.Fingerprint = idem.State(state), idem.Fingerprint(fingerprint)
+	r.LeaseExpires, r.Created, r.Updated = time.Unix(0, lease), time.Unix(0, created), time.Unix(0, updated)
+	if expires.Valid {
+		r.Expires = time.Unix(0, expires.Int64)
+	}
+	if resp != nil {
+		r.Response = new(idem.Response)
+		if err := r.Response.UnmarshalBinary(resp); err != nil {
+			return nil, err
+		}
+	}
+	return &r, nil
+}
+
+func encodeCursor(scope, key string) string {
+	return strconv.Itoa(len(scope)) + ":" + scope + key
+}
+
+func decodeCursor(c string) (scope, key string, err error) {
+	if c == "" {
+		return "", "", nil
+	}
+	n, rest, ok := strings.Cut(c, ":")
+	l, err := strconv.Atoi(n)
+	if !ok || err != nil || l < 0 || l > len(rest) {
+		return "", "", fmt.Errorf("%w: sqlitestore: malformed scan cursor", idem.ErrInvalid)
+	}
+	return rest[:l], rest[l:], nil
+}
+
+// translate maps driver errors into the root's vocabulary: a database that
+// stays locked or busy, cannot be opened or read is unavailable; the root's
+// sentinels and context errors pass through.
+func translate(op string, err error) error {
+	if err == nil || errors.Is(err, idem.ErrLeaseLost) || errors.Is(err, idem.ErrNotFound) ||
+		errors.Is(err, idem.ErrInvalid) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	var se *sqlite.Error
+	if errors.As(err, &se) {
+		switch se.Code() & 0xff {
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR,
+			sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT:
+			return fmt.Errorf("sqlitestore: %s: %w: %w", op, idem.ErrUnavailable, err)
+		}
+	}
+	if errors.Is(err, sql.ErrConnDone) || strings.Contains(err.Error(), "database is closed") {
+		return fmt.Errorf("sqlitestore: %s: %w: %w", op, idem.ErrUnavailable, err)
+	}
+	return fmt.Errorf("sqlitestore: %s: %w", op, err)
+}

@@ -1,0 +1,196 @@
+package sqlitestore_test
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/sqlitestore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+var ctx = context.Background()
+
+func open(t *testing.T, path string) *sqlitestore.Store {
+	t.Helper()
+	s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+func TestConformance(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) idem.Store {
+		return open(t, filepath.Join(t.TempDir(), "idem.db"))
+	})
+}
+
+func engine(t *testing.T, s idem.Store, clock idem.Clock) *idem.Engine {
+	t.Helper()
+	e, err := idem.New(idem.Config{Store: s, Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+var payload = idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges", Body: []byte(`{"amount":100}`)})
+
+// TestDurableAcrossRestart shows that a record written before the store is
+// closed (as when the process restarts) is replayed after it is reopened,
+// and that an in-progress one is still held.
+func TestDurableAcrossRestart(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s := open(t, path)
+	e := engine(t, s, nil)
+	done, err := e.Begin(ctx, idem.BeginParams{Key: "done", Fingerprint: payload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Complete(ctx, done.Lease, &idem.Response{Status: 201, Body: []byte("charged")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Begin(ctx, idem.BeginParams{Key: "running", Fingerprint: payload}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	e = engine(t, open(t, path), nil)
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "done", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Replay || string(out.Record.Response.Body) != "charged" {
+		t.Fatalf("after reopen: %v %+v %v, want the replay", out.Decision, out.Record.Response, err)
+	}
+	if out, err := e.Begin(ctx, idem.BeginParams{Key: "running", Fingerprint: payload}); err != nil || out.Decision != idem.InFlight {
+		t.Fatalf("after reopen: running key = %v, %v; want in flight", out.Decision, err)
+	}
+}
+
+// TestTwoStoresOneFile races 200 goroutines split over two stores on one
+// file, as two processes would be: the file's lock, not the in-process mutex,
+// must let exactly one win.
+func TestTwoStoresOneFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	engines := []*idem.Engine{engine(t, open(t, path), nil), engine(t, open(t, path), nil)}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	got := map[idem.Decision]int{}
+	start := make(chan struct{})
+	for i := range storetest.Racers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			out, err := engines[i%2].Begin(ctx, idem.BeginParams{Key: "hot", Fingerprint: payload})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			got[out.Decision]++
+			mu.Unlock()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if got[idem.Execute] != 1 || got[idem.InFlight] != storetest.Racers-1 {
+		t.Fatalf("decisions = %v, want exactly one execute", got)
+	}
+}
+
+func TestFinishTx(t *testing.T) {
+	s := open(t, filepath.Join(t.TempDir(), "idem.db"))
+	e := engine(t, s, nil)
+	if _, err := s.DB().ExecContext(ctx, `CREATE TABLE ledger (key TEXT PRIMARY KEY, amount INTEGER)`); err != nil {
+		t.Fatal(err)
+	}
+	charge := func(key string, commit bool) error {
+		out, err := e.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload, TakeoverSafe: true})
+		if err != nil || out.Decision != idem.Execute {
+			t.Fatalf("Begin(%s) = %v, %v", key, out.Decision, err)
+		}
+		tx, err := s.DB().BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		if _, err := tx.ExecContext(ctx, `INSERT INTO ledger VALUES (?, 100)`, key); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.FinishTx(ctx, tx, e.FinishParams(out.Lease, idem.StateCompleted, &idem.Response{Status: 201})); err != nil {
+			return err
+		}
+		if !commit {
+			return nil // rolled back by the deferred Rollback
+		}
+		return tx.Commit()
+	}
+	ledger := func(key string) int {
+		var n int
+		if err := s.DB().QueryRowContext(ctx, `SELECT count(*) FROM ledger WHERE key = ?`, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	if err := charge("committed", true); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := e.Get(ctx, "", "committed"); r.State != idem.StateCompleted || ledger("committed") != 1 {
+		t.Fatalf("committed: record %v, ledger rows %d", r.State, ledger("committed"))
+	}
+	if err := charge("rolled-back", false); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := e.Get(ctx, "", "rolled-back"); r.State != idem.StateInProgress || ledger("rolled-back") != 0 {
+		t.Fatalf("rolled back: record %v, ledger rows %d; want in progress and no debit", r.State, ledger("rolled-back"))
+	}
+}
+
+func TestPruneDeletesRows(t *testing.T) {
+	s := open(t, filepath.Join(t.TempDir(), "idem.db"))
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	e := engine(t, s, clock)
+	for _, key := range []string{"a", "b", "c"} {
+		out, err := e.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 200}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clock.Advance(idem.DefaultRetention)
+	if n, err := s.Prune(ctx, idem.PruneParams{Now: clock.Now(), Limit: 2}); err != nil || n != 2 {
+		t.Fatalf("Prune with limit 2 = %d, %v", n, err)
+	}
+	if n, err := e.Prune(ctx); err != nil || n != 1 {
+		t.Fatalf("Prune of the rest = %d, %v", n, err)
+	}
+	var rows int
+	if err := s.DB().QueryRowContext(ctx, `SELECT count(*) FROM idem_records`).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("rows left = %d, %v", rows, err)
+	}
+}
+
+func TestClosedStoreIsUnavailable(t *testing.T) {
+	s := open(t, filepath.Join(t.TempDir(), "idem.db"))
+	s.Close()
+	_, err := engine(t, s, nil).Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Begin on a closed store: %v, want ErrUnavailable", err)
+	}
+}
+
+func TestOpenNeedsPath(t *testing.T) {
+	if _, err := sqlitestore.Open(ctx, sqlitestore.Config{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("Open without a path: %v", err)
+	}
+}
