@@ -1,0 +1,181 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/memstore"
+)
+
+var ctx = context.Background()
+
+var payload = idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges", Body: []byte(`{"amount":100}`)})
+
+func TestNewValidates(t *testing.T) {
+	if _, err := idem.New(idem.Config{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Errorf("New without a store: %v", err)
+	}
+	if _, err := idem.New(idem.Config{Store: memstore.New(), Lease: -time.Second}); !errors.Is(err, idem.ErrInvalid) {
+		t.Errorf("New with a negative lease: %v", err)
+	}
+}
+
+func TestBeginUsesDefaultsAndOverrides(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now()
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	if l := out.Lease; l.Duration != idem.DefaultLease || l.Retention != idem.DefaultRetention ||
+		l.Expires.Before(before.Add(idem.DefaultLease)) || l.Expires.After(time.Now().Add(idem.DefaultLease)) {
+		t.Fatalf("lease = %+v, want the defaults", l)
+	}
+	out, err = e.Begin(ctx, idem.BeginParams{Key: "k2", Fingerprint: payload, Lease: time.Minute, Retention: 72 * time.Hour})
+	if err != nil || out.Lease.Duration != time.Minute || out.Lease.Retention != 72*time.Hour {
+		t.Fatalf("overrides not applied: %+v, %v", out.Lease, err)
+	}
+}
+
+func TestDecisionString(t *testing.T) {
+	for d, want := range map[idem.Decision]string{idem.Execute: "execute", idem.Replay: "replay", idem.Mismatch: "mismatch",
+		idem.InFlight: "in_flight", idem.Uncertain: "uncertain", idem.Decision(42): "Decision(42)"} {
+		if d.String() != want {
+			t.Errorf("%d.String() = %q, want %q", int(d), d.String(), want)
+		}
+	}
+}
+
+func TestNewToken(t *testing.T) {
+	seen := map[string]bool{}
+	for range 1000 {
+		tok, err := idem.NewToken()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(tok) != 32 || strings.Trim(tok, "0123456789abcdef") != "" || seen[tok] {
+			t.Fatalf("token %q: want 32 unique hex digits", tok)
+		}
+		seen[tok] = true
+	}
+}
+
+// signalStore reports each renewal and can be told to fail them.
+type signalStore struct {
+	idem.Store
+	renewed chan struct{}
+	mu      sync.Mutex
+	fail    error
+}
+
+func (s *signalStore) Renew(ctx context.Context, p idem.RenewParams) error {
+	s.mu.Lock()
+	fail := s.fail
+	s.mu.Unlock()
+	if fail != nil {
+		return fail
+	}
+	err := s.Store.Renew(ctx, p)
+	if err == nil {
+		s.renewed <- struct{}{}
+	}
+	return err
+}
+
+func (s *signalStore) failRenewals(err error) {
+	s.mu.Lock()
+	s.fail = err
+	s.mu.Unlock()
+}
+
+func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, idem.Lease) {
+	t.Helper()
+	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
+	e, err := idem.New(idem.Config{Store: s, Lease: lease})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	return e, s, out.Lease
+}
+
+// TestHoldOutlivesLease: work that runs for several lease lengths keeps its
+// lease, so a duplicate meanwhile is in flight, not uncertain, and the owner
+// can still store its outcome.
+func TestHoldOutlivesLease(t *testing.T) {
+	e, s, l := holdSetup(t, 300*time.Millisecond)
+	held, stop := e.Hold(ctx, l)
+	for range 9 { // renewals every 100ms: three whole lease lengths
+		<-s.renewed
+		if out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload}); err != nil || out.Decision != idem.InFlight {
+			t.Fatalf("duplicate while held: %v, %v; want in flight", out.Decision, err)
+		}
+	}
+	if held.Err() != nil {
+		t.Fatalf("held context ended: %v", context.Cause(held))
+	}
+	last := stop()
+	if !last.Expires.After(l.Expires) {
+		t.Fatalf("stop returned lease expiring %v, not after the first %v", last.Expires, l.Expires)
+	}
+	if held.Err() == nil {
+		t.Fatal("held context still live after stop")
+	}
+	if err := e.Complete(ctx, last, &idem.Response{Status: 200}); err != nil {
+		t.Fatalf("Complete after a long hold: %v", err)
+	}
+}
+
+// TestHoldCancelsWhenLeaseLost: once a renewal is refused, the work's
+// context is cancelled with ErrLeaseLost as its cause.
+func TestHoldCancelsWhenLeaseLost(t *testing.T) {
+	e, s, l := holdSetup(t, 60*time.Millisecond)
+	held, stop := e.Hold(ctx, l)
+	defer stop()
+	<-s.renewed
+	if err := e.MarkUnknown(ctx, l); err != nil { // someone settles the record
+		t.Fatal(err)
+	}
+	<-held.Done()
+	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
+	}
+}
+
+// TestHoldCancelsWhenStoreStaysDown: transient renewal errors are retried,
+// but once the lease has run out without a renewal the work is cancelled.
+func TestHoldCancelsWhenStoreStaysDown(t *testing.T) {
+	e, s, l := holdSetup(t, 60*time.Millisecond)
+	s.failRenewals(idem.ErrUnavailable)
+	held, stop := e.Hold(ctx, l)
+	defer stop()
+	<-held.Done()
+	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
+	}
+	if time.Now().Before(l.Expires) {
+		t.Fatalf("cancelled at %v, before the lease ran out at %v", time.Now(), l.Expires)
+	}
+}
+
+func TestHoldStopsWithParent(t *testing.T) {
+	e, _, l := holdSetup(t, time.Minute)
+	parent, cancel := context.WithCancel(ctx)
+	held, stop := e.Hold(parent, l)
+	cancel()
+	<-held.Done()
+	if got := stop(); got.Token != l.Token {
+		t.Fatalf("stop returned %+v", got)
+	}
+}
