@@ -153,7 +153,7 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 		var write bool
 		next, write = p.Apply(existing)
 		if write {
-			return put(ctx, tx, &next)
+			return put(ctx, tx, &next, existing != nil)
 		}
 		return nil
 	})
@@ -206,7 +206,7 @@ func (s *Store) update(ctx context.Context, tx *sql.Tx, op, scope, key string, a
 		if err := apply(r); err != nil {
 			return err
 		}
-		return put(ctx, tx, r)
+		return put(ctx, tx, r, true)
 	}
 	if tx != nil {
 		return translate(op, fn(tx))
@@ -312,7 +312,9 @@ func get(ctx context.Context, q querier, scope, key string) (*idem.Record, error
 	return r, err
 }
 
-func put(ctx context.Context, tx *sql.Tx, r *idem.Record) error {
+// put writes r: an INSERT when there was no row (exists false), else an
+// UPDATE in place, which writes fewer pages than a delete and insert.
+func put(ctx context.Context, tx *sql.Tx, r *idem.Record, exists bool) error {
 	var resp []byte
 	if r.Response != nil {
 		var err error
@@ -324,10 +326,15 @@ func put(ctx context.Context, tx *sql.Tx, r *idem.Record) error {
 	if !r.Expires.IsZero() {
 		expires = r.Expires.UnixNano()
 	}
-	_, err := tx.ExecContext(ctx, `INSERT OR REPLACE INTO idem_records (`+columns+`)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-		r.Scope, r.Key, string(r.State), string(r.Fingerprint), r.Token, r.Fence,
-		r.LeaseExpires.UnixNano(), r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires)
+	args := []any{string(r.State), string(r.Fingerprint), r.Token, r.Fence, r.LeaseExpires.UnixNano(),
+		r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires, r.Scope, r.Key}
+	query := `UPDATE idem_records SET state = ?, fingerprint = ?, token = ?, fence = ?, lease_expires = ?,
+		takeover_safe = ?, response = ?, created = ?, updated = ?, expires = ? WHERE scope = ? AND key = ?`
+	if !exists {
+		query = `INSERT INTO idem_records (state, fingerprint, token, fence, lease_expires, takeover_safe,
+			response, created, updated, expires, scope, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	}
+	_, err := tx.ExecContext(ctx, query, args...)
 	return err
 }
 

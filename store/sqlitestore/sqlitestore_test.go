@@ -15,7 +15,7 @@ import (
 
 var ctx = context.Background()
 
-func open(t *testing.T, path string) *sqlitestore.Store {
+func open(t testing.TB, path string) *sqlitestore.Store {
 	t.Helper()
 	s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path})
 	if err != nil {
