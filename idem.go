@@ -93,8 +93,12 @@ type Response struct {
 	Status int
 	// Header holds the headers to replay. Nil means none.
 	Header http.Header
-	// Body is the response body as sent.
+	// Body is the response body as sent, or nil when BodyOmitted.
 	Body []byte
+	// BodyOmitted is true when the body was delivered once but not stored
+	// (it was over the size limit, or streamed); a replay must say so rather
+	// than send a wrong or empty body.
+	BodyOmitted bool
 }
 
 // Record is what a store keeps under one scope and key.

@@ -178,6 +178,9 @@ func (p FinishParams) Validate() error {
 		if p.Response.Status < 100 || p.Response.Status > 999 {
 			return invalid("response status %d is not a valid HTTP status", p.Response.Status)
 		}
+		if p.Response.BodyOmitted && len(p.Response.Body) > 0 {
+			return invalid("a response whose body is omitted cannot carry one")
+		}
 	case StateFailed, StateUnknown:
 		if p.Response != nil {
 			return invalid("only a completed record has a response")
@@ -337,16 +340,17 @@ func validateFingerprint(f Fingerprint) error {
 const responseVersion = 1
 
 type responseJSON struct {
-	V      int                 `json:"v"`
-	Status int                 `json:"status"`
-	Header map[string][]string `json:"header,omitempty"`
-	Body   []byte              `json:"body,omitempty"`
+	V           int                 `json:"v"`
+	Status      int                 `json:"status"`
+	Header      map[string][]string `json:"header,omitempty"`
+	Body        []byte              `json:"body,omitempty"`
+	BodyOmitted bool                `json:"body_omitted,omitempty"`
 }
 
 // MarshalBinary encodes r for storage, in a versioned self-describing form.
 // Stores that keep the response as one value use it.
 func (r *Response) MarshalBinary() ([]byte, error) {
-	return json.Marshal(responseJSON{V: responseVersion, Status: r.Status, Header: r.Header, Body: r.Body})
+	return json.Marshal(responseJSON{V: responseVersion, Status: r.Status, Header: r.Header, Body: r.Body, BodyOmitted: r.BodyOmitted})
 }
 
 // UnmarshalBinary decodes what MarshalBinary encoded.
@@ -358,6 +362,6 @@ func (r *Response) UnmarshalBinary(data []byte) error {
 	if j.V != responseVersion {
 		return fmt.Errorf("idem: stored response has encoding version %d, this build reads %d", j.V, responseVersion)
 	}
-	*r = Response{Status: j.Status, Header: j.Header, Body: j.Body}
+	*r = Response{Status: j.Status, Header: j.Header, Body: j.Body, BodyOmitted: j.BodyOmitted}
 	return nil
 }

@@ -162,5 +162,7 @@ func cloneResponse(r *idem.Response) *idem.Response {
 	if r == nil {
 		return nil
 	}
-	return &idem.Response{Status: r.Status, Header: r.Header.Clone(), Body: slices.Clone(r.Body)}
+	c := *r
+	c.Header, c.Body = r.Header.Clone(), slices.Clone(r.Body)
+	return &c
 }

@@ -174,8 +174,8 @@ func sameResponse(t *testing.T, got, want *idem.Response) {
 		}
 		return
 	}
-	if got.Status != want.Status {
-		t.Fatalf("status = %d, want %d", got.Status, want.Status)
+	if got.Status != want.Status || got.BodyOmitted != want.BodyOmitted {
+		t.Fatalf("status = %d (body omitted %v), want %d (%v)", got.Status, got.BodyOmitted, want.Status, want.BodyOmitted)
 	}
 	if len(got.Header) != 0 || len(want.Header) != 0 {
 		if !reflect.DeepEqual(got.Header, want.Header) {
@@ -461,6 +461,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 		{Status: 204},
 		{Status: 200, Header: http.Header{"Content-Type": {"text/plain; charset=utf-8"}}, Body: large},
 		{Status: 202, Body: []byte("héllo wörld \u2603")},
+		{Status: 200, Header: http.Header{"Content-Type": {"text/event-stream"}}, BodyOmitted: true},
 	}
 	for i, resp := range cases {
 		key := fmt.Sprintf("replay-%d", i)
@@ -724,6 +725,7 @@ func testInvalidInput(t *testing.T, h *harness) {
 	store["Renew without token"] = h.store.Renew(ctx, idem.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
 	store["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
 	store["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
+	store["Finish with an omitted body and a body"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 200, Body: []byte("x"), BodyOmitted: true}, Expires: now.Add(time.Hour)})
 	store["Finish as in progress"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateInProgress})
 	store["Finish failed with a response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateFailed, Response: okResponse("x"), Expires: now.Add(time.Hour)})
 	store["Finish completed without expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: okResponse("x")})
