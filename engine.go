@@ -45,6 +45,13 @@ type Config struct {
 	// Retention is how long a settled outcome is replayed. Defaults to
 	// [DefaultRetention].
 	Retention time.Duration
+	// Notifier wakes waiters in other processes when a record is settled
+	// (see [Engine.Await]). Defaults to none: waiters in other processes
+	// poll.
+	Notifier Notifier
+	// Poll is how often [Engine.Await] looks again when nothing wakes it.
+	// Defaults to [DefaultPoll].
+	Poll time.Duration
 }
 
 // Engine decides, for each request, whether to run it, replay it or refuse
@@ -55,6 +62,9 @@ type Engine struct {
 	clock     Clock
 	lease     time.Duration
 	retention time.Duration
+	poll      time.Duration
+	notifier  Notifier
+	local     localNotifier
 }
 
 // New returns an engine for cfg.
@@ -62,7 +72,8 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Store == nil {
 		return nil, invalid("config has no store")
 	}
-	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention}
+	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention,
+		poll: cfg.Poll, notifier: cfg.Notifier}
 	if e.clock == nil {
 		e.clock = SystemClock
 	}
@@ -72,7 +83,10 @@ func New(cfg Config) (*Engine, error) {
 	if e.retention == 0 {
 		e.retention = DefaultRetention
 	}
-	if e.lease < 0 || e.retention < 0 {
+	if e.poll == 0 {
+		e.poll = DefaultPoll
+	}
+	if e.lease < 0 || e.retention < 0 || e.poll < 0 {
 		return nil, invalid("lease and retention must be positive")
 	}
 	return e, nil
@@ -246,7 +260,18 @@ func (e *Engine) FinishParams(l Lease, state State, resp *Response) FinishParams
 }
 
 func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Response) error {
-	return e.store.Finish(ctx, e.FinishParams(l, state, resp))
+	if err := e.store.Finish(ctx, e.FinishParams(l, state, resp)); err != nil {
+		return err
+	}
+	e.notify(ctx, l.Scope, l.Key)
+	return nil
+}
+
+// Settled tells waiters that the record under scope and key was settled
+// outside the engine, e.g. by a store's transactional finish (pgstore's
+// FinishTx) after its transaction committed.
+func (e *Engine) Settled(ctx context.Context, scope, key string) {
+	e.notify(ctx, scope, key)
 }
 
 // Get returns the live record under scope and key, or [ErrNotFound].
