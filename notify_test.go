@@ -13,7 +13,9 @@ import (
 // both engines hold the same one.
 type sharedNotifier struct{ ch chan struct{} }
 
-func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) { return n.ch, func() {} }
+func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
+	return n.ch, func() {}
+}
 func (n *sharedNotifier) Notify(ctx context.Context, scope, key string) error {
 	n.ch <- struct{}{}
 	return nil
