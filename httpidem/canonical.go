@@ -1,0 +1,196 @@
+package httpidem
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"unicode/utf16"
+	"unicode/utf8"
+)
+
+// CanonicalJSON returns the RFC 8785 (JCS) form of a JSON text: object
+// members sorted by their names' UTF-16 code units, no insignificant
+// whitespace, numbers in their shortest ECMAScript form, strings with the
+// minimal escapes. Two texts that differ only in key order or whitespace
+// come out identical.
+func CanonicalJSON(data []byte) ([]byte, error) {
+	v, err := decodeJSON(data)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	if err := writeCanonical(&b, v); err != nil {
+		return nil, err
+	}
+	return b.Bytes(), nil
+}
+
+func decodeJSON(data []byte) (any, error) {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	if dec.More() {
+		return nil, errors.New("json: trailing data after the value")
+	}
+	return v, nil
+}
+
+func writeCanonical(b *bytes.Buffer, v any) error {
+	switch v := v.(type) {
+	case nil:
+		b.WriteString("null")
+	case bool:
+		b.WriteString(strconv.FormatBool(v))
+	case json.Number:
+		f, err := strconv.ParseFloat(string(v), 64)
+		if err != nil || math.IsInf(f, 0) {
+			return errors.New("json: number out of range for canonical form")
+		}
+		b.WriteString(es6Number(f))
+	case string:
+		writeString(b, v)
+	case []any:
+		b.WriteByte('[')
+		for i, e := range v {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			if err := writeCanonical(b, e); err != nil {
+				return err
+			}
+		}
+		b.WriteByte(']')
+	case map[string]any:
+		keys := make([]string, 0, len(v))
+		for k := range v {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, func(a, b string) int { return slices.Compare(utf16.Encode([]rune(a)), utf16.Encode([]rune(b))) })
+		b.WriteByte('{')
+		for i, k := range keys {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			writeString(b, k)
+			b.WriteByte(':')
+			if err := writeCanonical(b, v[k]); err != nil {
+				return err
+			}
+		}
+		b.WriteByte('}')
+	}
+	return nil
+}
+
+// es6Number formats f as ECMAScript's Number.prototype.toString does, which
+// RFC 8785 requires.
+func es6Number(f float64) string {
+	if f == 0 {
+		return "0" // also for -0
+	}
+	format := byte('e')
+	if abs := math.Abs(f); abs >= 1e-6 && abs < 1e21 {
+		format = 'f'
+	}
+	s := strconv.FormatFloat(f, format, -1, 64)
+	if format == 'e' {
+		// Go writes e-07 and e+07; ECMAScript writes e-7 and e+7.
+		if i := strings.IndexByte(s, 'e'); i >= 0 && len(s) > i+3 && s[i+2] == '0' {
+			s = s[:i+2] + s[i+3:]
+		}
+	}
+	return s
+}
+
+func writeString(b *bytes.Buffer, s string) {
+	b.WriteByte('"')
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == '"':
+			b.WriteString(`\"`)
+		case r == '\\':
+			b.WriteString(`\\`)
+		case r == '\b':
+			b.WriteString(`\b`)
+		case r == '\f':
+			b.WriteString(`\f`)
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\r':
+			b.WriteString(`\r`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case r < 0x20:
+			b.WriteString(`\u00`)
+			b.WriteByte("0123456789abcdef"[r>>4])
+			b.WriteByte("0123456789abcdef"[r&0xf])
+		default:
+			b.WriteString(s[i : i+size])
+		}
+		i += size
+	}
+	b.WriteByte('"')
+}
+
+// selectFields keeps (include) or drops (exclude) the members named by
+// dotted paths ("amount", "card.number") in a decoded JSON value.
+func selectFields(v any, include, exclude []string) any {
+	if len(include) > 0 {
+		kept := map[string]any{}
+		for _, path := range include {
+			if val, ok := lookup(v, strings.Split(path, ".")); ok {
+				place(kept, strings.Split(path, "."), val)
+			}
+		}
+		v = kept
+	}
+	for _, path := range exclude {
+		remove(v, strings.Split(path, "."))
+	}
+	return v
+}
+
+func lookup(v any, path []string) (any, bool) {
+	for _, name := range path {
+		obj, ok := v.(map[string]any)
+		if !ok {
+			return nil, false
+		}
+		if v, ok = obj[name]; !ok {
+			return nil, false
+		}
+	}
+	return v, true
+}
+
+func place(obj map[string]any, path []string, val any) {
+	for _, name := range path[:len(path)-1] {
+		next, ok := obj[name].(map[string]any)
+		if !ok {
+			next = map[string]any{}
+			obj[name] = next
+		}
+		obj = next
+	}
+	obj[path[len(path)-1]] = val
+}
+
+func remove(v any, path []string) {
+	obj, ok := v.(map[string]any)
+	if !ok {
+		return
+	}
+	if len(path) == 1 {
+		delete(obj, path[0])
+		return
+	}
+	remove(obj[path[0]], path[1:])
+}

@@ -1,0 +1,183 @@
+package httpidem
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+)
+
+// neverStored are headers a replay must not repeat: credentials, cookies,
+// hop-by-hop headers (RFC 9110 §7.6.1) and per-response ones.
+var neverStored = map[string]bool{
+	"Set-Cookie": true, "Authorization": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
+	"Connection": true, "Keep-Alive": true, "Te": true, "Trailer": true, "Transfer-Encoding": true,
+	"Upgrade": true, "Proxy-Connection": true, "Date": true, HeaderReplayed: true,
+}
+
+// storedHeader returns the headers of h a replay may repeat: all but the
+// never-stored ones, or only those in allow when it is set.
+func storedHeader(h http.Header, allow map[string]bool) http.Header {
+	drop := map[string]bool{}
+	for _, c := range h.Values("Connection") { // headers named by Connection are hop-by-hop too
+		for _, name := range strings.Split(c, ",") {
+			drop[http.CanonicalHeaderKey(strings.TrimSpace(name))] = true
+		}
+	}
+	out := http.Header{}
+	for name, values := range h {
+		if neverStored[name] || drop[name] || (allow != nil && !allow[name]) {
+			continue
+		}
+		out[name] = append([]string(nil), values...)
+	}
+	return out
+}
+
+// capture buffers a handler's response so that its outcome can be stored
+// before the client sees it. A response that outgrows the limit, is flushed
+// (streamed) or hijacked is passed through from then on and marked omitted:
+// it is delivered once and cannot be replayed.
+type capture struct {
+	w        http.ResponseWriter
+	header   http.Header
+	status   int
+	body     bytes.Buffer
+	limit    int64
+	passing  bool // the response is going straight to the client
+	hijacked bool
+}
+
+var (
+	_ http.Flusher  = (*capture)(nil)
+	_ http.Hijacker = (*capture)(nil)
+	_ io.ReaderFrom = (*capture)(nil)
+)
+
+func newCapture(w http.ResponseWriter, limit int64) *capture {
+	return &capture{w: w, header: http.Header{}, limit: limit}
+}
+
+func (c *capture) Header() http.Header {
+	if c.passing {
+		return c.w.Header()
+	}
+	return c.header
+}
+
+func (c *capture) WriteHeader(status int) {
+	if c.status != 0 || c.hijacked {
+		return
+	}
+	if status >= 100 && status < 200 && status != http.StatusSwitchingProtocols {
+		c.w.WriteHeader(status) // informational: straight through, not the outcome
+		return
+	}
+	c.status = status
+	if c.passing {
+		c.w.WriteHeader(status)
+	}
+}
+
+func (c *capture) Write(p []byte) (int, error) {
+	if c.hijacked {
+		return 0, http.ErrHijacked
+	}
+	if c.status == 0 {
+		c.WriteHeader(http.StatusOK)
+	}
+	if !c.passing && int64(c.body.Len()+len(p)) > c.limit {
+		c.passThrough()
+	}
+	if c.passing {
+		return c.w.Write(p)
+	}
+	return c.body.Write(p)
+}
+
+// ReadFrom keeps io.Copy efficient while the response is buffered.
+func (c *capture) ReadFrom(r io.Reader) (int64, error) {
+	var n int64
+	buf := make([]byte, 32*1024)
+	for {
+		m, err := r.Read(buf)
+		if m > 0 {
+			w, werr := c.Write(buf[:m])
+			n += int64(w)
+			if werr != nil {
+				return n, werr
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			return n, nil
+		}
+		if err != nil {
+			return n, err
+		}
+	}
+}
+
+// Flush streams: what was buffered goes out, and so does everything after.
+func (c *capture) Flush() {
+	if c.hijacked {
+		return
+	}
+	if c.status == 0 {
+		c.WriteHeader(http.StatusOK)
+	}
+	c.passThrough()
+	http.NewResponseController(c.w).Flush()
+}
+
+func (c *capture) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	conn, rw, err := http.NewResponseController(c.w).Hijack()
+	if err == nil {
+		c.hijacked = true
+		if c.status == 0 {
+			c.status = http.StatusSwitchingProtocols
+		}
+	}
+	return conn, rw, err
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (c *capture) Unwrap() http.ResponseWriter { return c.w }
+
+func (c *capture) passThrough() {
+	if c.passing {
+		return
+	}
+	c.passing = true
+	h := c.w.Header()
+	for name, values := range c.header {
+		h[name] = values
+	}
+	c.w.WriteHeader(c.status)
+	c.w.Write(c.body.Bytes())
+	c.body = bytes.Buffer{}
+}
+
+// omitted reports whether the response was delivered without being kept.
+func (c *capture) omitted() bool { return c.passing || c.hijacked }
+
+// deliver sends a buffered response to the client; extra headers are added.
+func (c *capture) deliver(extra http.Header) {
+	if c.omitted() {
+		return
+	}
+	if c.status == 0 {
+		c.status = http.StatusOK
+	}
+	h := c.w.Header()
+	for name, values := range c.header {
+		h[name] = values
+	}
+	for name, values := range extra {
+		h[name] = values
+	}
+	c.w.WriteHeader(c.status)
+	c.w.Write(c.body.Bytes())
+}

@@ -1,0 +1,110 @@
+package httpidem
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/idemhq/idem"
+)
+
+// HeaderKey is the request header that carries the idempotency key.
+const HeaderKey = "Idempotency-Key"
+
+// HeaderReplayed marks a replayed response: "Idempotent-Replayed: true".
+const HeaderReplayed = "Idempotent-Replayed"
+
+// KeyFormat restricts which keys are accepted beyond the basic rules.
+type KeyFormat int
+
+const (
+	// KeyAny accepts any key of 1–255 bytes of printable ASCII.
+	KeyAny KeyFormat = iota
+	// KeyUUID accepts only a UUID in its canonical 8-4-4-4-12 hex form (any
+	// version, either case).
+	KeyUUID
+)
+
+var errKeyMissing = errors.New("no Idempotency-Key header")
+
+// ParseKey extracts the key from the values of the Idempotency-Key header.
+// The value is an RFC 9651 Structured Field String ("abc", with \" and \\ as
+// the only escapes) or, as Stripe's clients send it, a bare value without
+// quotes or spaces. Exactly one header is allowed. The key must then pass
+// [idem.ValidateKey] and format.
+func ParseKey(values []string, format KeyFormat) (string, error) {
+	switch len(values) {
+	case 0:
+		return "", errKeyMissing
+	case 1:
+	default:
+		return "", fmt.Errorf("%d Idempotency-Key headers; send exactly one", len(values))
+	}
+	v := strings.Trim(values[0], " \t")
+	var key string
+	if strings.HasPrefix(v, `"`) {
+		var err error
+		if key, err = parseSFString(v); err != nil {
+			return "", err
+		}
+	} else {
+		for i := 0; i < len(v); i++ {
+			if c := v[i]; c <= 0x20 || c >= 0x7f || c == '"' || c == '\\' || c == ',' {
+				return "", fmt.Errorf("bare key has a character %q that needs the quoted form", c)
+			}
+		}
+		key = v
+	}
+	if err := idem.ValidateKey(key); err != nil {
+		return "", errors.New(strings.TrimPrefix(err.Error(), idem.ErrInvalid.Error()+": "))
+	}
+	if format == KeyUUID && !isUUID(key) {
+		return "", errors.New("key must be a UUID (8-4-4-4-12 hex digits)")
+	}
+	return key, nil
+}
+
+// parseSFString parses an RFC 9651 sf-string that makes up the whole value.
+func parseSFString(v string) (string, error) {
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		switch c := v[i]; {
+		case c == '\\':
+			i++
+			if i == len(v) || (v[i] != '"' && v[i] != '\\') {
+				return "", errors.New(`quoted key has a backslash not followed by " or \`)
+			}
+			b.WriteByte(v[i])
+		case c == '"':
+			if i != len(v)-1 {
+				return "", errors.New("quoted key has characters after its closing quote")
+			}
+			return b.String(), nil
+		case c < 0x20 || c > 0x7e:
+			return "", fmt.Errorf("quoted key has a byte %#x that is not printable ASCII", c)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("quoted key has no closing quote")
+}
+
+func isUUID(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch i {
+		case 8, 13, 18, 23:
+			if c != '-' {
+				return false
+			}
+		default:
+			if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
+				return false
+			}
+		}
+	}
+	return true
+}

@@ -1,0 +1,399 @@
+// Package httpidem puts the idempotency contract in front of any net/http
+// handler:
+//
+//	mw, err := httpidem.New(httpidem.Config{Engine: engine, Scope: scopeByAPIKey})
+//	http.ListenAndServe(addr, mw.Wrap(mux))
+//
+// For each covered request (POST and PATCH by default) that carries an
+// Idempotency-Key, the middleware fingerprints the payload, asks the engine,
+// and either runs the handler once, replays its stored outcome
+// (with "Idempotent-Replayed: true"), or answers with an RFC 9457 problem:
+//
+//	key missing (when required), malformed     400
+//	request body over the limit                413
+//	same key, different payload                422
+//	same key while the first still runs        409 + Retry-After (or wait)
+//	outcome of an earlier run unknown          409 operation-uncertain
+//	stored response could not be kept          409 response-not-replayable
+//	store unreachable                          503, nothing runs
+//
+// The handler's response is buffered and stored before the client sees it,
+// so a client that saw an outcome gets exactly that outcome on its retry.
+// Everything the handler returns is stored — a 500 included — except 429 and
+// 503 and responses the handler marks with [NothingHappened]: those release
+// the key and the next retry runs. A panic marks the outcome unknown. The
+// handler's context is not cancelled when the client goes away (its outcome
+// is stored for the retry), but it is cancelled when the lease is lost.
+package httpidem
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemhq/idem"
+)
+
+// Defaults for [Config].
+const (
+	// DefaultMaxRequestBody is the largest request body fingerprinted; a
+	// larger one is refused with 413.
+	DefaultMaxRequestBody = 1 << 20
+	// DefaultMaxResponseBody is the largest response body stored for replay;
+	// a larger one is delivered once and replays as not replayable.
+	DefaultMaxResponseBody = 1 << 20
+)
+
+// DefaultMethods are the methods covered when [Config.Methods] is empty.
+var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+
+// HeaderExpires tells the client until when the outcome of the request that
+// created a record will be replayed (an HTTP-date): the retention policy the
+// IETF draft asks servers to publish.
+const HeaderExpires = "Idempotency-Expires"
+
+// Config configures a [Middleware]. Zero values are defaults.
+type Config struct {
+	// Engine decides and stores. Required.
+	Engine *idem.Engine
+	// Methods are the methods covered; others pass straight through.
+	// Defaults to [DefaultMethods].
+	Methods []string
+	// RequireKey makes a covered request without a key a 400. Defaults to
+	// false: such a request passes through without protection.
+	RequireKey bool
+	// KeyFormat restricts keys further. Defaults to [KeyAny].
+	KeyFormat KeyFormat
+	// Scope names the caller, so that the same key from two callers is two
+	// records and neither can replay the other's response. It must return
+	// at most 255 bytes of printable ASCII ([HashScope] makes any value so).
+	//
+	// WARNING: it defaults to nil, one scope for everybody: any client that
+	// guesses or learns another client's key gets that client's response.
+	// Set it whenever more than one caller can reach the handler.
+	Scope func(*http.Request) string
+	// CanonicalJSON fingerprints a JSON request body in its RFC 8785
+	// canonical form, so key order and whitespace do not count. A body that
+	// is not JSON is fingerprinted as sent. Defaults to false.
+	CanonicalJSON bool
+	// IncludeFields, when set, fingerprints only these members of a JSON
+	// body (dotted paths such as "card.last4"); ExcludeFields leaves these
+	// out (a client timestamp, say). Either implies CanonicalJSON.
+	IncludeFields, ExcludeFields []string
+	// MaxRequestBody is the largest body accepted. Defaults to
+	// [DefaultMaxRequestBody].
+	MaxRequestBody int64
+	// MaxResponseBody is the largest body stored. Defaults to
+	// [DefaultMaxResponseBody].
+	MaxResponseBody int64
+	// StoreHeaders, when set, is an allowlist: only these response headers
+	// are stored and replayed. Defaults to nil: every header but
+	// Set-Cookie, Authorization, hop-by-hop headers and Date.
+	StoreHeaders []string
+	// Wait, when positive, makes a duplicate of a running request wait up
+	// to this long for the first to finish and get its replay, instead of
+	// an immediate 409. Defaults to 0.
+	Wait time.Duration
+	// TakeoverSafe declares that the handler's effects all commit together
+	// with the record, so an expired lease may be taken over and a panic
+	// releases the key instead of making the outcome unknown. Defaults to
+	// false.
+	TakeoverSafe bool
+	// Lease and Retention override the engine's for these requests.
+	Lease, Retention time.Duration
+	// FailOpen runs the handler unprotected when the store cannot be
+	// reached, instead of answering 503. Defaults to false: fail closed.
+	FailOpen bool
+	// Logger receives a line per problem. Keys are logged as a hash, never
+	// as sent. Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Middleware enforces the idempotency contract on a handler.
+type Middleware struct {
+	cfg     Config
+	methods map[string]bool
+	allow   map[string]bool
+	log     *slog.Logger
+}
+
+// New checks cfg and returns the middleware.
+func New(cfg Config) (*Middleware, error) {
+	if cfg.Engine == nil {
+		return nil, fmt.Errorf("%w: httpidem: config has no engine", idem.ErrInvalid)
+	}
+	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 || cfg.Wait < 0 || cfg.Lease < 0 || cfg.Retention < 0 {
+		return nil, fmt.Errorf("%w: httpidem: negative limit or duration", idem.ErrInvalid)
+	}
+	if cfg.MaxRequestBody == 0 {
+		cfg.MaxRequestBody = DefaultMaxRequestBody
+	}
+	if cfg.MaxResponseBody == 0 {
+		cfg.MaxResponseBody = DefaultMaxResponseBody
+	}
+	if len(cfg.Methods) == 0 {
+		cfg.Methods = DefaultMethods
+	}
+	m := &Middleware{cfg: cfg, methods: map[string]bool{}, log: cfg.Logger}
+	for _, method := range cfg.Methods {
+		m.methods[strings.ToUpper(method)] = true
+	}
+	if cfg.StoreHeaders != nil {
+		m.allow = map[string]bool{}
+		for _, h := range cfg.StoreHeaders {
+			m.allow[http.CanonicalHeaderKey(h)] = true
+		}
+	}
+	if m.log == nil {
+		m.log = slog.Default()
+	}
+	return m, nil
+}
+
+// Wrap returns next behind the middleware.
+func (m *Middleware) Wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next) })
+}
+
+// HashScope returns a Scope function that names the caller by the SHA-256 of
+// a request header (an API key, a tenant id, the Authorization header), so
+// that the secret itself is never stored. Requests without the header share
+// the empty scope.
+func HashScope(header string) func(*http.Request) string {
+	return func(r *http.Request) string {
+		v := r.Header.Get(header)
+		if v == "" {
+			return ""
+		}
+		sum := sha256.Sum256([]byte(v))
+		return hex.EncodeToString(sum[:])
+	}
+}
+
+// outcome lets a handler say what its response means; see [NothingHappened].
+type outcome struct{ verdict atomic.Int32 }
+
+const (
+	verdictDefault int32 = iota
+	verdictNothing
+	verdictUnknown
+)
+
+type outcomeKey struct{}
+
+// NothingHappened tells the middleware that the request had no effect (it
+// was refused before doing anything), whatever its status: the key is
+// released and the client's retry runs. Call it from the handler with the
+// request it was given; elsewhere it does nothing.
+func NothingHappened(r *http.Request) { setVerdict(r, verdictNothing) }
+
+// OutcomeUnknown tells the middleware that the request may or may not have
+// had its effect (e.g. an upstream call got no answer): the record becomes
+// UNKNOWN, retries get 409 operation-uncertain, and the reconciler settles it.
+func OutcomeUnknown(r *http.Request) { setVerdict(r, verdictUnknown) }
+
+func setVerdict(r *http.Request, v int32) {
+	if o, ok := r.Context().Value(outcomeKey{}).(*outcome); ok {
+		o.verdict.Store(v)
+	}
+}
+
+type leaseKey struct{}
+
+// LeaseFrom returns the lease under which the handler runs, for handlers that
+// settle the record themselves in their own transaction.
+func LeaseFrom(ctx context.Context) (idem.Lease, bool) {
+	l, ok := ctx.Value(leaseKey{}).(idem.Lease)
+	return l, ok
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if !m.methods[r.Method] {
+		next.ServeHTTP(w, r)
+		return
+	}
+	key, err := ParseKey(r.Header.Values(HeaderKey), m.cfg.KeyFormat)
+	switch {
+	case errors.Is(err, errKeyMissing) && !m.cfg.RequireKey:
+		next.ServeHTTP(w, r)
+		return
+	case errors.Is(err, errKeyMissing):
+		(&Problem{Type: ProblemKeyMissing, Title: "Idempotency-Key required", Status: http.StatusBadRequest,
+			Detail: fmt.Sprintf("%s %s requires an Idempotency-Key header", r.Method, r.URL.Path)}).Write(w)
+		return
+	case err != nil:
+		(&Problem{Type: ProblemKeyInvalid, Title: "Idempotency-Key malformed", Status: http.StatusBadRequest, Detail: err.Error()}).Write(w)
+		return
+	}
+	scope := ""
+	if m.cfg.Scope != nil {
+		scope = m.cfg.Scope(r)
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, m.cfg.MaxRequestBody+1))
+	if err != nil {
+		(&Problem{Type: ProblemRequestUnreadable, Title: "Request body unreadable", Status: http.StatusBadRequest, Detail: err.Error()}).Write(w)
+		return
+	}
+	if int64(len(body)) > m.cfg.MaxRequestBody {
+		(&Problem{Type: ProblemRequestTooLarge, Title: "Request body too large", Status: http.StatusRequestEntityTooLarge,
+			Detail: fmt.Sprintf("an idempotent request body may be at most %d bytes", m.cfg.MaxRequestBody)}).Write(w)
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	params := idem.BeginParams{
+		Scope: scope, Key: key, Fingerprint: m.fingerprint(r, body),
+		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
+	}
+	log := m.log.With("key_hash", keyHash(scope, key), "method", r.Method, "path", r.URL.Path)
+
+	var out idem.Outcome
+	if m.cfg.Wait > 0 {
+		out, err = m.cfg.Engine.Await(r.Context(), params, m.cfg.Wait)
+	} else {
+		out, err = m.cfg.Engine.Begin(r.Context(), params)
+	}
+	if err != nil {
+		if errors.Is(err, idem.ErrInvalid) {
+			log.Error("idempotency: invalid input", "err", err)
+			(&Problem{Type: ProblemIdempotencyFailed, Title: "Idempotency misconfigured", Status: http.StatusInternalServerError,
+				Detail: "the server's idempotency scope is invalid"}).Write(w)
+			return
+		}
+		if m.cfg.FailOpen && r.Context().Err() == nil {
+			log.Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
+			next.ServeHTTP(w, r)
+			return
+		}
+		log.Error("idempotency store unavailable: refusing (fail-closed)", "err", err)
+		(&Problem{Type: ProblemStoreUnavailable, Title: "Idempotency store unavailable", Status: http.StatusServiceUnavailable,
+			Detail: "the request was not run; retry it with the same key", RetryAfter: time.Second}).Write(w)
+		return
+	}
+	switch out.Decision {
+	case idem.Execute:
+		m.execute(w, r, next, out.Lease, log)
+	case idem.Replay:
+		replay(w, out.Record.Response)
+	case idem.Mismatch:
+		(&Problem{Type: ProblemPayloadMismatch, Title: "Idempotency-Key reused with a different payload", Status: http.StatusUnprocessableEntity,
+			Detail:  fmt.Sprintf("this key was first used with a request that differs in %s", strings.Join(out.Diff, ", ")),
+			Differs: out.Diff}).Write(w)
+	case idem.InFlight:
+		(&Problem{Type: ProblemInProgress, Title: "A request with this Idempotency-Key is in progress", Status: http.StatusConflict,
+			Detail: "retry after the first request finishes", RetryAfter: out.RetryAfter}).Write(w)
+	case idem.Uncertain:
+		(&Problem{Type: ProblemUncertain, Title: "The outcome of the first request with this Idempotency-Key is unknown", Status: http.StatusConflict,
+			Detail: "it may or may not have taken effect; it will not be run again until that is resolved"}).Write(w)
+	}
+}
+
+// fingerprint hashes the request: method, path, canonical query and the body
+// (canonical JSON, with fields selected, when configured).
+func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint {
+	if m.cfg.CanonicalJSON || len(m.cfg.IncludeFields) > 0 || len(m.cfg.ExcludeFields) > 0 {
+		if v, err := decodeJSON(body); err == nil {
+			var b bytes.Buffer
+			if writeCanonical(&b, selectFields(v, m.cfg.IncludeFields, m.cfg.ExcludeFields)) == nil {
+				body = b.Bytes()
+			}
+		}
+	}
+	return idem.NewFingerprint(idem.Payload{Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Body: body})
+}
+
+// execute runs the handler under the lease and settles the record.
+func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, log *slog.Logger) {
+	eng := m.cfg.Engine
+	// The client going away must not stop the work: its retry wants the outcome.
+	held, stop := eng.Hold(context.WithoutCancel(r.Context()), lease)
+	verdict := &outcome{}
+	ctx := context.WithValue(context.WithValue(held, outcomeKey{}, verdict), leaseKey{}, lease)
+	c := newCapture(w, m.cfg.MaxResponseBody)
+	// Settling uses a context of its own: neither the client nor a lost lease
+	// may stop the outcome from being written.
+	settle := context.WithoutCancel(r.Context())
+
+	panicked := true
+	defer func() {
+		if !panicked {
+			return
+		}
+		lease := stop()
+		var err error
+		if m.cfg.TakeoverSafe {
+			err = eng.Release(settle, lease)
+		} else {
+			err = eng.MarkUnknown(settle, lease)
+		}
+		log.Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[m.cfg.TakeoverSafe], "err", err)
+	}()
+	next.ServeHTTP(c, r.WithContext(ctx))
+	panicked = false
+	lease = stop()
+
+	status := c.status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	var err error
+	extra := http.Header{}
+	switch {
+	case verdict.verdict.Load() == verdictUnknown:
+		err = eng.MarkUnknown(settle, lease)
+	case verdict.verdict.Load() == verdictNothing, status == http.StatusTooManyRequests, status == http.StatusServiceUnavailable:
+		err = eng.Release(settle, lease)
+	default:
+		retention := lease.Retention
+		expires := eng.Now().Add(retention).UTC().Format(http.TimeFormat)
+		resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}
+		if c.omitted() {
+			resp.BodyOmitted = true
+		} else {
+			extra.Set(HeaderExpires, expires)
+			resp.Header.Set(HeaderExpires, expires)
+			resp.Body = c.body.Bytes()
+		}
+		err = eng.Complete(settle, lease, resp)
+	}
+	if err != nil {
+		// The work happened; the client gets its outcome all the same. A
+		// retry will find the record in progress, unknown, or settled by
+		// a newer owner: never run blindly.
+		log.Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
+		extra.Del(HeaderExpires)
+	}
+	c.deliver(extra)
+}
+
+// replay sends a stored response again.
+func replay(w http.ResponseWriter, resp *idem.Response) {
+	if resp.BodyOmitted {
+		(&Problem{Type: ProblemNotReplayable, Title: "The response to this Idempotency-Key cannot be replayed", Status: http.StatusConflict,
+			Detail:         fmt.Sprintf("the request was run once and answered %d; that response was streamed or too large to keep", resp.Status),
+			OriginalStatus: resp.Status}).Write(w)
+		return
+	}
+	h := w.Header()
+	for name, values := range resp.Header {
+		h[name] = slices.Clone(values)
+	}
+	h.Set(HeaderReplayed, "true")
+	w.WriteHeader(resp.Status)
+	w.Write(resp.Body)
+}
+
+// keyHash identifies a key in logs without revealing it.
+func keyHash(scope, key string) string {
+	sum := sha256.Sum256([]byte(scope + "\x00" + key))
+	return hex.EncodeToString(sum[:8])
+}

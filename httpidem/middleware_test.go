@@ -1,0 +1,653 @@
+package httpidem_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/sqlitestore"
+)
+
+// storeMakers are the stores every contract row runs on.
+var storeMakers = map[string]func(t *testing.T) idem.Store{
+	"memstore": func(t *testing.T) idem.Store { return memstore.New() },
+	"sqlite": func(t *testing.T) idem.Store {
+		s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	},
+}
+
+// forEachStore runs fn as a parallel subtest on each store.
+func forEachStore(t *testing.T, fn func(t *testing.T, store idem.Store)) {
+	for name, mk := range storeMakers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			fn(t, mk(t))
+		})
+	}
+}
+
+// app is a handler that counts how often it really ran.
+type app struct {
+	runs    atomic.Int64
+	handler http.HandlerFunc
+}
+
+func (a *app) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	a.runs.Add(1)
+	a.handler(w, r)
+}
+
+func charge(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Add("X-Trace", "one")
+	w.Header().Add("X-Trace", "two")
+	w.Header().Set("Set-Cookie", "session=secret")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"charge":%q,"seq":%d}`, body, time.Now().UnixNano())
+}
+
+func newEngine(t *testing.T, store idem.Store) *idem.Engine {
+	t.Helper()
+	e, err := idem.New(idem.Config{Store: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func serve(t *testing.T, cfg httpidem.Config, h http.Handler) *httptest.Server {
+	t.Helper()
+	mw, err := httpidem.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw.Wrap(h))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+type reply struct {
+	status  int
+	header  http.Header
+	body    string
+	problem httpidem.Problem
+}
+
+func send(t *testing.T, srv *httptest.Server, method, path, key, body string, headers ...string) reply {
+	t.Helper()
+	req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Add(headers[i], headers[i+1])
+	}
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	rep := reply{status: resp.StatusCode, header: resp.Header, body: string(b)}
+	if resp.Header.Get("Content-Type") == "application/problem+json" {
+		if err := json.Unmarshal(b, &rep.problem); err != nil {
+			t.Fatalf("problem body %q: %v", b, err)
+		}
+		if rep.problem.Status != resp.StatusCode || rep.problem.Title == "" {
+			t.Fatalf("problem %+v does not match status %d", rep.problem, resp.StatusCode)
+		}
+	}
+	return rep
+}
+
+func wantProblem(t *testing.T, r reply, status int, typ string) {
+	t.Helper()
+	if r.status != status || r.problem.Type != typ {
+		t.Fatalf("got %d %q (%s), want %d %q", r.status, r.problem.Type, r.body, status, typ)
+	}
+}
+
+func TestReplaySameOutcome(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: charge}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		first := send(t, srv, "POST", "/v1/charges", "key-1", `{"amount":100}`)
+		second := send(t, srv, "POST", "/v1/charges", "key-1", `{"amount":100}`)
+		if a.runs.Load() != 1 {
+			t.Fatalf("handler ran %d times, want once", a.runs.Load())
+		}
+		if first.status != 201 || second.status != 201 || first.body != second.body {
+			t.Fatalf("first %d %q, replay %d %q", first.status, first.body, second.status, second.body)
+		}
+		if second.header.Get("Idempotent-Replayed") != "true" || first.header.Get("Idempotent-Replayed") != "" {
+			t.Fatalf("Idempotent-Replayed: first %q, replay %q", first.header.Get("Idempotent-Replayed"), second.header.Get("Idempotent-Replayed"))
+		}
+		if got := second.header.Values("X-Trace"); !reflect.DeepEqual(got, []string{"one", "two"}) {
+			t.Fatalf("replayed X-Trace = %v", got)
+		}
+		if second.header.Get("Content-Type") != "application/json" || second.header.Get("Set-Cookie") != "" {
+			t.Fatalf("replayed headers %v: want the content type and no cookie", second.header)
+		}
+		exp, err := http.ParseTime(first.header.Get(httpidem.HeaderExpires))
+		if err != nil || exp.Before(time.Now().Add(idem.DefaultRetention-time.Minute)) || second.header.Get(httpidem.HeaderExpires) != first.header.Get(httpidem.HeaderExpires) {
+			t.Fatalf("Idempotency-Expires %q / %q: want the retention, the same on replay", first.header.Get(httpidem.HeaderExpires), second.header.Get(httpidem.HeaderExpires))
+		}
+	})
+}
+
+func TestServerErrorIsStoredAndReplayed(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) { http.Error(w, "acquirer exploded", 500) }}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		for range 3 {
+			if r := send(t, srv, "POST", "/v1/charges", "k", "x"); r.status != 500 || !strings.Contains(r.body, "exploded") {
+				t.Fatalf("got %d %q", r.status, r.body)
+			}
+		}
+		if a.runs.Load() != 1 {
+			t.Fatalf("a stored 500 ran %d times", a.runs.Load())
+		}
+	})
+}
+
+func TestPayloadMismatch(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: charge}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		send(t, srv, "POST", "/v1/charges?currency=eur", "k", `{"amount":100}`)
+		r := send(t, srv, "POST", "/v1/charges?currency=eur", "k", `{"amount":999}`)
+		wantProblem(t, r, 422, httpidem.ProblemPayloadMismatch)
+		if !reflect.DeepEqual(r.problem.Differs, []string{"body"}) || strings.Contains(r.body, "999") {
+			t.Fatalf("mismatch problem %s: want it to name the body and not its value", r.body)
+		}
+		r = send(t, srv, "POST", "/v1/charges?currency=usd", "k", `{"amount":100}`)
+		wantProblem(t, r, 422, httpidem.ProblemPayloadMismatch)
+		if !reflect.DeepEqual(r.problem.Differs, []string{"query"}) {
+			t.Fatalf("differs = %v, want [query]", r.problem.Differs)
+		}
+		r = send(t, srv, "PATCH", "/v1/charges?currency=eur", "k", `{"amount":100}`)
+		if !reflect.DeepEqual(r.problem.Differs, []string{"method"}) {
+			t.Fatalf("differs = %v, want [method]", r.problem.Differs)
+		}
+		if a.runs.Load() != 1 {
+			t.Fatalf("handler ran %d times", a.runs.Load())
+		}
+	})
+}
+
+// gate is a handler that blocks until released, telling when it started.
+type gate struct {
+	started chan struct{}
+	release chan struct{}
+}
+
+func newGate() *gate { return &gate{started: make(chan struct{}, 10), release: make(chan struct{})} }
+
+func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	g.started <- struct{}{}
+	<-g.release
+	w.WriteHeader(201)
+	io.WriteString(w, "done")
+}
+
+func TestConcurrentDuplicateConflicts(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		g := newGate()
+		a := &app{handler: g.ServeHTTP}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		first := make(chan reply)
+		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
+		<-g.started
+		r := send(t, srv, "POST", "/pay", "k", "x")
+		wantProblem(t, r, 409, httpidem.ProblemInProgress)
+		if r.header.Get("Retry-After") == "" {
+			t.Fatal("409 in progress without Retry-After")
+		}
+		close(g.release)
+		if got := <-first; got.status != 201 {
+			t.Fatalf("first = %d", got.status)
+		}
+		if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.body != "done" {
+			t.Fatalf("after the first finished: %d %q", r.status, r.body)
+		}
+		if a.runs.Load() != 1 {
+			t.Fatalf("ran %d times", a.runs.Load())
+		}
+	})
+}
+
+// acquireSignal reports each Acquire after it returns.
+type acquireSignal struct {
+	idem.Store
+	acquired chan idem.Record
+}
+
+func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	r, err := s.Store.Acquire(ctx, p)
+	s.acquired <- r
+	return r, err
+}
+
+func TestWaitModeReplaysFirstOutcome(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		sig := &acquireSignal{Store: store, acquired: make(chan idem.Record, 10)}
+		eng, err := idem.New(idem.Config{Store: sig, Poll: time.Hour}) // woken, not polled
+		if err != nil {
+			t.Fatal(err)
+		}
+		g := newGate()
+		a := &app{handler: g.ServeHTTP}
+		srv := serve(t, httpidem.Config{Engine: eng, Wait: time.Minute}, a)
+		first := make(chan reply)
+		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
+		<-g.started
+		<-sig.acquired // the first's
+		second := make(chan reply)
+		go func() { second <- send(t, srv, "POST", "/pay", "k", "x") }()
+		<-sig.acquired // the second saw the first in flight and now waits
+		close(g.release)
+		f, s := <-first, <-second
+		if f.status != 201 || s.status != 201 || s.body != "done" || s.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf("first %d, waiting duplicate %d %q replayed=%q", f.status, s.status, s.body, s.header.Get("Idempotent-Replayed"))
+		}
+		if a.runs.Load() != 1 {
+			t.Fatalf("ran %d times", a.runs.Load())
+		}
+	})
+}
+
+func TestMissingKey(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: charge}
+		required := serve(t, httpidem.Config{Engine: newEngine(t, store), RequireKey: true}, a)
+		wantProblem(t, send(t, required, "POST", "/pay", "", "x"), 400, httpidem.ProblemKeyMissing)
+		if a.runs.Load() != 0 {
+			t.Fatal("handler ran without a key")
+		}
+		if r := send(t, required, "GET", "/pay", "", ""); r.status != 201 {
+			t.Fatalf("GET is not covered: got %d", r.status)
+		}
+		optional := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		send(t, optional, "POST", "/pay", "", "x")
+		send(t, optional, "POST", "/pay", "", "x")
+		if a.runs.Load() != 3 {
+			t.Fatalf("without a key every request runs: ran %d, want 3", a.runs.Load())
+		}
+	})
+}
+
+func TestMalformedKey(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: charge}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		uuidOnly := serve(t, httpidem.Config{Engine: newEngine(t, store), KeyFormat: httpidem.KeyUUID}, a)
+		for name, key := range map[string]string{
+			"empty quoted":     `""`,
+			"over 255 bytes":   strings.Repeat("k", 256),
+			"unclosed quote":   `"abc`,
+			"bad escape":       `"a\b"`,
+			"space in bare":    "a b",
+			"trailing garbage": `"abc"x`,
+		} {
+			if r := send(t, srv, "POST", "/pay", key, "x"); r.status != 400 || r.problem.Type != httpidem.ProblemKeyInvalid {
+				t.Fatalf("%s key: got %d %q, want 400 key-invalid", name, r.status, r.problem.Type)
+			}
+		}
+		wantProblem(t, send(t, srv, "POST", "/pay", "", "x", "Idempotency-Key", "a", "Idempotency-Key", "b"), 400, httpidem.ProblemKeyInvalid)
+		wantProblem(t, send(t, uuidOnly, "POST", "/pay", "not-a-uuid", "x"), 400, httpidem.ProblemKeyInvalid)
+		if a.runs.Load() != 0 {
+			t.Fatalf("handler ran %d times on malformed keys", a.runs.Load())
+		}
+		if r := send(t, uuidOnly, "POST", "/pay", "018F6F2E-7B1A-7C3D-9E4F-0A1B2C3D4E5F", "x"); r.status != 201 {
+			t.Fatalf("uuid key refused: %d", r.status)
+		}
+		// The quoted and the bare form name the same key.
+		send(t, srv, "POST", "/pay", `"abc-1"`, "x")
+		if r := send(t, srv, "POST", "/pay", `abc-1`, "x"); r.header.Get("Idempotent-Replayed") != "true" {
+			t.Fatalf(`bare abc-1 after "abc-1" was not a replay: %d`, r.status)
+		}
+	})
+}
+
+func TestPanicMakesOutcomeUncertain(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		var calls atomic.Int64
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if calls.Add(1) == 1 {
+				panic("acquirer connection dropped mid-charge")
+			}
+			w.WriteHeader(201)
+		})
+		eng := newEngine(t, store)
+		mw, _ := httpidem.New(httpidem.Config{Engine: eng})
+		req := func() *httptest.ResponseRecorder {
+			rec := httptest.NewRecorder()
+			r := httptest.NewRequest("POST", "/pay", strings.NewReader("x"))
+			r.Header.Set("Idempotency-Key", "k")
+			func() {
+				defer func() {
+					if p := recover(); p != nil && p != "acquirer connection dropped mid-charge" {
+						t.Fatalf("panic changed on the way: %v", p)
+					}
+				}()
+				mw.Wrap(h).ServeHTTP(rec, r)
+			}()
+			return rec
+		}
+		req()
+		rec := req()
+		if rec.Code != 409 || !strings.Contains(rec.Body.String(), "operation-uncertain") || calls.Load() != 1 {
+			t.Fatalf("retry after a panic: %d %s, handler calls %d", rec.Code, rec.Body, calls.Load())
+		}
+		if r, _ := eng.Get(context.Background(), "", "k"); r.State != idem.StateUnknown {
+			t.Fatalf("state = %v, want unknown", r.State)
+		}
+	})
+}
+
+// downStore is a store that cannot be reached.
+type downStore struct{ idem.Store }
+
+func (downStore) Acquire(context.Context, idem.AcquireParams) (idem.Record, error) {
+	return idem.Record{}, fmt.Errorf("dial tcp: connection refused: %w", idem.ErrUnavailable)
+}
+
+func TestStoreDownFailsClosed(t *testing.T) {
+	a := &app{handler: charge}
+	eng := newEngine(t, downStore{memstore.New()})
+	closed := serve(t, httpidem.Config{Engine: eng}, a)
+	r := send(t, closed, "POST", "/pay", "k", "x")
+	wantProblem(t, r, 503, httpidem.ProblemStoreUnavailable)
+	if a.runs.Load() != 0 || r.header.Get("Retry-After") == "" {
+		t.Fatalf("fail closed: handler ran %d times, Retry-After %q", a.runs.Load(), r.header.Get("Retry-After"))
+	}
+	open := serve(t, httpidem.Config{Engine: eng, FailOpen: true}, a)
+	if r := send(t, open, "POST", "/pay", "k", "x"); r.status != 201 || a.runs.Load() != 1 {
+		t.Fatalf("fail open: %d, ran %d", r.status, a.runs.Load())
+	}
+}
+
+func TestNothingHappenedReleasesKey(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		for _, c := range []struct {
+			name    string
+			handler http.HandlerFunc
+		}{
+			{"429", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(429) }},
+			{"503", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(503) }},
+			{"declared", func(w http.ResponseWriter, r *http.Request) {
+				httpidem.NothingHappened(r)
+				w.WriteHeader(402)
+			}},
+		} {
+			a := &app{handler: c.handler}
+			srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+			send(t, srv, "POST", "/pay", "k-"+c.name, "x")
+			r := send(t, srv, "POST", "/pay", "k-"+c.name, "x")
+			if a.runs.Load() != 2 || r.header.Get("Idempotent-Replayed") != "" {
+				t.Fatalf("%s: ran %d times (replayed %q), want the retry to run", c.name, a.runs.Load(), r.header.Get("Idempotent-Replayed"))
+			}
+		}
+	})
+}
+
+func TestOutcomeUnknownDeclared(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+			httpidem.OutcomeUnknown(r)
+			w.WriteHeader(504)
+		}}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 504 {
+			t.Fatalf("first = %d", r.status)
+		}
+		wantProblem(t, send(t, srv, "POST", "/pay", "k", "x"), 409, httpidem.ProblemUncertain)
+		if a.runs.Load() != 1 {
+			t.Fatalf("ran %d times", a.runs.Load())
+		}
+	})
+}
+
+func TestScopesIsolateCallers(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, "for "+r.Header.Get("Authorization"))
+		}}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store), Scope: httpidem.HashScope("Authorization")}, a)
+		alice := send(t, srv, "POST", "/pay", "shared", "x", "Authorization", "Bearer alice")
+		bob := send(t, srv, "POST", "/pay", "shared", "x", "Authorization", "Bearer bob")
+		again := send(t, srv, "POST", "/pay", "shared", "x", "Authorization", "Bearer bob")
+		if alice.body != "for Bearer alice" || bob.body != "for Bearer bob" || again.body != bob.body || a.runs.Load() != 2 {
+			t.Fatalf("alice %q, bob %q, bob again %q, runs %d", alice.body, bob.body, again.body, a.runs.Load())
+		}
+	})
+}
+
+func TestUnreplayableResponse(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		big := strings.Repeat("x", 2048)
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/stream" {
+				io.WriteString(w, "event: 1\n")
+				http.NewResponseController(w).Flush()
+				io.WriteString(w, "event: 2\n")
+				return
+			}
+			w.WriteHeader(201)
+			io.WriteString(w, big)
+		}}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store), MaxResponseBody: 1024}, a)
+		if r := send(t, srv, "POST", "/big", "k1", "x"); r.status != 201 || r.body != big {
+			t.Fatalf("large response not delivered whole the first time: %d, %d bytes", r.status, len(r.body))
+		}
+		r := send(t, srv, "POST", "/big", "k1", "x")
+		wantProblem(t, r, 409, httpidem.ProblemNotReplayable)
+		if r.problem.OriginalStatus != 201 {
+			t.Fatalf("original status = %d", r.problem.OriginalStatus)
+		}
+		if r := send(t, srv, "POST", "/stream", "k2", "x"); r.body != "event: 1\nevent: 2\n" {
+			t.Fatalf("stream delivered %q", r.body)
+		}
+		wantProblem(t, send(t, srv, "POST", "/stream", "k2", "x"), 409, httpidem.ProblemNotReplayable)
+		if a.runs.Load() != 2 {
+			t.Fatalf("ran %d times", a.runs.Load())
+		}
+	})
+}
+
+func TestRequestTooLarge(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), MaxRequestBody: 10}, a)
+	wantProblem(t, send(t, srv, "POST", "/pay", "k", strings.Repeat("x", 11)), 413, httpidem.ProblemRequestTooLarge)
+	if r := send(t, srv, "POST", "/pay", "k", strings.Repeat("x", 10)); r.status != 201 || a.runs.Load() != 1 {
+		t.Fatalf("body at the limit: %d", r.status)
+	}
+}
+
+func TestCanonicalJSONAndFieldSelection(t *testing.T) {
+	a := &app{handler: charge}
+	eng := newEngine(t, memstore.New())
+	canon := serve(t, httpidem.Config{Engine: eng, CanonicalJSON: true}, a)
+	send(t, canon, "POST", "/pay", "k1", `{"amount":100,"currency":"eur"}`)
+	if r := send(t, canon, "POST", "/pay", "k1", "{ \"currency\": \"eur\",\n  \"amount\": 1e2 }"); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("reordered JSON was not the same payload: %d %s", r.status, r.body)
+	}
+	wantProblem(t, send(t, canon, "POST", "/pay", "k1", `{"amount":101,"currency":"eur"}`), 422, httpidem.ProblemPayloadMismatch)
+
+	excl := serve(t, httpidem.Config{Engine: eng, ExcludeFields: []string{"client_ts", "meta.trace"}}, a)
+	send(t, excl, "POST", "/pay", "k2", `{"amount":100,"client_ts":1,"meta":{"trace":"a","order":7}}`)
+	if r := send(t, excl, "POST", "/pay", "k2", `{"amount":100,"client_ts":2,"meta":{"trace":"b","order":7}}`); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("excluded fields counted: %d %s", r.status, r.body)
+	}
+	wantProblem(t, send(t, excl, "POST", "/pay", "k2", `{"amount":100,"client_ts":2,"meta":{"trace":"b","order":8}}`), 422, httpidem.ProblemPayloadMismatch)
+
+	incl := serve(t, httpidem.Config{Engine: eng, IncludeFields: []string{"amount"}}, a)
+	send(t, incl, "POST", "/pay", "k3", `{"amount":100,"note":"a"}`)
+	if r := send(t, incl, "POST", "/pay", "k3", `{"note":"b","amount":100}`); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("only included fields should count: %d", r.status)
+	}
+	if a.runs.Load() != 3 {
+		t.Fatalf("ran %d times, want 3", a.runs.Load())
+	}
+}
+
+func TestHeaderAllowlist(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), StoreHeaders: []string{"content-type"}}, a)
+	send(t, srv, "POST", "/pay", "k", "x")
+	r := send(t, srv, "POST", "/pay", "k", "x")
+	if r.header.Get("Content-Type") != "application/json" || r.header.Get("X-Trace") != "" {
+		t.Fatalf("allowlist replay headers = %v", r.header)
+	}
+}
+
+// TestClientDisconnectDoesNotCancel: the client gives up mid-request; the
+// handler carries on with a live context, and the retry gets the replay.
+func TestClientDisconnectDoesNotCancel(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		g := newGate()
+		ctxErr := make(chan error, 1)
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+			g.started <- struct{}{}
+			<-g.release
+			ctxErr <- r.Context().Err()
+			w.WriteHeader(201)
+			io.WriteString(w, "charged")
+		}}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store), Wait: time.Minute}, a)
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/pay", strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", "k")
+		gone := make(chan error)
+		go func() {
+			_, err := srv.Client().Do(req)
+			gone <- err
+		}()
+		<-g.started
+		cancel()
+		if err := <-gone; err == nil {
+			t.Fatal("the client's request did not fail")
+		}
+		close(g.release)
+		if err := <-ctxErr; err != nil {
+			t.Fatalf("handler context ended with the client: %v", err)
+		}
+		if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.body != "charged" || a.runs.Load() != 1 {
+			t.Fatalf("retry: %d %q, runs %d", r.status, r.body, a.runs.Load())
+		}
+	})
+}
+
+// renewBlocker fails every renewal: the store is unreachable for the owner.
+type renewBlocker struct{ idem.Store }
+
+func (renewBlocker) Renew(context.Context, idem.RenewParams) error {
+	return fmt.Errorf("timeout: %w", idem.ErrUnavailable)
+}
+
+// TestLostLeaseNeverOverwritesNewerOwner: the first owner cannot renew, its
+// lease runs out, a retry takes over (takeover-safe route) and completes;
+// the first owner's late outcome is refused, and replays show the newer one.
+func TestLostLeaseNeverOverwritesNewerOwner(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		eng, err := idem.New(idem.Config{Store: renewBlocker{store}, Lease: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		firstCancelled := make(chan struct{})
+		secondDone := make(chan struct{})
+		var calls atomic.Int64
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if calls.Add(1) == 1 {
+				<-r.Context().Done() // the lease is lost: the middleware cancels us
+				if !strings.Contains(context.Cause(r.Context()).Error(), "lease lost") {
+					t.Errorf("cause = %v", context.Cause(r.Context()))
+				}
+				close(firstCancelled)
+				<-secondDone
+				io.WriteString(w, "stale first owner")
+				return
+			}
+			io.WriteString(w, "second owner")
+		})
+		srv := serve(t, httpidem.Config{Engine: eng, TakeoverSafe: true}, h)
+		first := make(chan reply)
+		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
+		<-firstCancelled
+		if r := send(t, srv, "POST", "/pay", "k", "x"); r.body != "second owner" {
+			t.Fatalf("takeover got %d %q", r.status, r.body)
+		}
+		close(secondDone)
+		<-first
+		for range 3 {
+			if r := send(t, srv, "POST", "/pay", "k", "x"); r.body != "second owner" || r.header.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("replay after the stale owner finished: %q", r.body)
+			}
+		}
+	})
+}
+
+func TestManyConcurrentDuplicatesRunOnce(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: charge}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		srv.Client().Transport.(*http.Transport).MaxIdleConnsPerHost = 200
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		replies := make([]reply, 200)
+		for i := range replies {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				replies[i] = send(t, srv, "POST", "/pay", "hot", "x")
+			}()
+		}
+		close(start)
+		wg.Wait()
+		var body string
+		for _, r := range replies {
+			switch {
+			case r.status == 201 && (body == "" || r.body == body):
+				body = r.body
+			case r.status == 409 && r.problem.Type == httpidem.ProblemInProgress:
+			default:
+				t.Fatalf("unexpected reply %d %q", r.status, r.body)
+			}
+		}
+		if a.runs.Load() != 1 {
+			t.Fatalf("200 duplicates ran the handler %d times", a.runs.Load())
+		}
+	})
+}
+
+func TestNewValidates(t *testing.T) {
+	if _, err := httpidem.New(httpidem.Config{}); err == nil {
+		t.Fatal("New without an engine succeeded")
+	}
+	if _, err := httpidem.New(httpidem.Config{Engine: newEngine(t, memstore.New()), Wait: -1}); err == nil {
+		t.Fatal("New with a negative wait succeeded")
+	}
+}
