@@ -1,0 +1,160 @@
+package cli_test
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+var idemBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "idem-e2e")
+	if err != nil {
+		panic(err)
+	}
+	idemBin = filepath.Join(dir, "idem")
+	build := exec.Command("go", "build", "-o", idemBin, "github.com/idemhq/idem/cmd/idem")
+	build.Stderr = os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building idem:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+)`)
+
+// startProxy runs `idem proxy` as a real process and returns it with its address.
+func startProxy(t *testing.T, args ...string) (*exec.Cmd, string) {
+	t.Helper()
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	addr := make(chan string, 1)
+	go func() {
+		defer close(addr)
+		lines := bufio.NewScanner(stderr)
+		for lines.Scan() {
+			if m := listening.FindStringSubmatch(lines.Text()); m != nil {
+				addr <- m[1]
+				io.Copy(io.Discard, stderr)
+				return
+			}
+			t.Logf("idem proxy: %s", lines.Text())
+		}
+	}()
+	select {
+	case a, ok := <-addr:
+		if !ok {
+			t.Fatal("idem proxy exited before listening")
+		}
+		return cmd, "http://" + a
+	case <-time.After(30 * time.Second):
+		t.Fatal("idem proxy did not say it was listening within 30s")
+	}
+	return nil, ""
+}
+
+func post(url, key string) (int, string, error) {
+	req, _ := http.NewRequest("POST", url, strings.NewReader(`{"amount":100}`))
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), nil
+}
+
+// TestKilledProxyNeverRunsTwice kills the proxy (SIGKILL) while the upstream
+// is in the middle of two requests, restarts it on the same SQLite file, and
+// retries both: the ordinary route answers operation-uncertain instead of
+// running again; the takeover-safe route runs the retry exactly once.
+func TestKilledProxyNeverRunsTwice(t *testing.T) {
+	var mu sync.Mutex
+	runs := map[string]int{}
+	started := make(chan string, 2)
+	testOver := make(chan struct{})
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("Idempotency-Key")
+		mu.Lock()
+		runs[key]++
+		n := runs[key]
+		mu.Unlock()
+		if n == 1 {
+			started <- key
+			select { // mid side effect when the proxy dies
+			case <-r.Context().Done():
+			case <-testOver:
+			}
+			return
+		}
+		w.WriteHeader(201)
+		fmt.Fprintf(w, "%s run %d", key, n)
+	}))
+	defer upstream.Close()
+	defer close(testOver)
+	count := func(key string) int { mu.Lock(); defer mu.Unlock(); return runs[key] }
+
+	dir := t.TempDir()
+	config := filepath.Join(dir, "idem.yaml")
+	os.WriteFile(config, []byte("lease: 1s\nroutes:\n  - match: POST /tx\n    takeover_safe: true\n"), 0o600)
+	args := []string{"--upstream", upstream.URL, "--store", "sqlite:" + filepath.Join(dir, "idem.db"), "--config", config}
+
+	proc, url := startProxy(t, args...)
+	for _, path := range []string{"/charge", "/tx"} {
+		go post(url+path, "key"+path) // this client never hears back
+	}
+	<-started
+	<-started
+	proc.Process.Kill()
+	proc.Wait()
+
+	_, url = startProxy(t, args...)
+	retry := func(path string) (int, string) {
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			status, body, err := post(url+path, "key"+path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// 409 in-progress until the dead proxy's 1s lease runs out.
+			if !strings.Contains(body, "#in-progress") || time.Now().After(deadline) {
+				return status, body
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	if status, body := retry("/charge"); status != 409 || !strings.Contains(body, "#operation-uncertain") {
+		t.Fatalf("retry after the crash: %d %s; want 409 operation-uncertain", status, body)
+	}
+	if status, body := retry("/tx"); status != 201 || body != "key/tx run 2" {
+		t.Fatalf("takeover-safe retry after the crash: %d %s; want it to run", status, body)
+	}
+	if status, body, _ := post(url+"/tx", "key/tx"); status != 201 || body != "key/tx run 2" {
+		t.Fatalf("second retry: %d %s; want the replay", status, body)
+	}
+	if count("key/charge") != 1 || count("key/tx") != 2 {
+		t.Fatalf("upstream runs: /charge %d (want 1), /tx %d (want 1 + the one retry)", count("key/charge"), count("key/tx"))
+	}
+}

@@ -1,0 +1,353 @@
+// Package proxy is `idem proxy`: a reverse proxy that puts the idempotency
+// contract in front of an API written in any language.
+//
+// Each request is matched to a route (a net/http ServeMux pattern such as
+// "POST /v1/charges"); the route's rules configure the httpidem middleware in
+// front of the upstream. What the upstream did decides what is stored:
+//
+//   - the request could not be sent (connection refused before any byte was
+//     written): nothing happened, the key is released, a retry runs;
+//   - it was sent but no response came back (reset, timeout): the outcome is
+//     unknown, and a retry gets 409 operation-uncertain instead of a second
+//     execution;
+//   - the upstream answered 429 or 503: released;
+//   - any other answer is stored and replayed.
+package proxy
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+)
+
+// Defaults for [Config].
+const (
+	DefaultListen          = "127.0.0.1:8080"
+	DefaultScopeHeader     = "Authorization"
+	DefaultUpstreamTimeout = 60 * time.Second
+	DefaultShutdownTimeout = 30 * time.Second
+)
+
+// Config is the proxy's configuration. Flags, IDEM_* environment variables
+// and the YAML file all fill this one struct.
+type Config struct {
+	// Listen is the proxied address. Defaults to [DefaultListen].
+	Listen string `yaml:"listen"`
+	// Upstream is the API behind the proxy, e.g. http://127.0.0.1:9000. Required.
+	Upstream string `yaml:"upstream"`
+	// Store is the store DSN. Defaults to storeopen.Default (sqlite:idem.db).
+	Store string `yaml:"store"`
+	// AdminListen serves /healthz, /readyz on an address of its own, so they
+	// never shadow an upstream path. Defaults to off.
+	AdminListen string `yaml:"admin_listen"`
+	// UpstreamTimeout bounds the wait for the upstream's response headers;
+	// past it the outcome is unknown. Defaults to [DefaultUpstreamTimeout].
+	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
+	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
+	// finish and store their outcome. Defaults to [DefaultShutdownTimeout].
+	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// Lease and Retention are the engine's; routes may override them.
+	// Default to idem.DefaultLease and idem.DefaultRetention.
+	Lease     time.Duration `yaml:"lease"`
+	Retention time.Duration `yaml:"retention"`
+	// Defaults are the rules for requests that match no route.
+	Defaults Rules `yaml:"defaults"`
+	// Routes are matched like net/http ServeMux patterns, most specific
+	// first; each route's rules start from Defaults.
+	Routes []Route `yaml:"routes"`
+}
+
+// Route applies rules to requests matching a pattern.
+type Route struct {
+	// Match is a ServeMux pattern: "POST /v1/charges", "/v1/orders/{id}".
+	Match string `yaml:"match"`
+	Rules `yaml:",inline"`
+}
+
+// Rules are the idempotency rules for a set of requests. Unset fields (nil
+// pointers, zero durations, empty lists) inherit from [Config.Defaults].
+type Rules struct {
+	// Bypass passes requests through with no idempotency at all.
+	Bypass *bool `yaml:"bypass"`
+	// Methods covered. Defaults to POST and PATCH.
+	Methods []string `yaml:"methods"`
+	// RequireKey makes a covered request without a key a 400. Defaults to false.
+	RequireKey *bool `yaml:"require_key"`
+	// KeyFormat is "any" or "uuid". Defaults to "any".
+	KeyFormat string `yaml:"key_format"`
+	// ScopeHeader names the header whose SHA-256 scopes keys per caller;
+	// "none" disables scoping. Defaults to [DefaultScopeHeader].
+	ScopeHeader string `yaml:"scope_header"`
+	// Lease and Retention override the engine's.
+	Lease     time.Duration `yaml:"lease"`
+	Retention time.Duration `yaml:"retention"`
+	// Wait makes a duplicate wait this long for the first to finish.
+	Wait time.Duration `yaml:"wait"`
+	// TakeoverSafe: the upstream commits all effects atomically, so an
+	// expired lease may be taken over.
+	TakeoverSafe *bool `yaml:"takeover_safe"`
+	// CanonicalJSON and the field lists shape the body fingerprint.
+	CanonicalJSON *bool    `yaml:"canonical_json"`
+	IncludeFields []string `yaml:"include_fields"`
+	ExcludeFields []string `yaml:"exclude_fields"`
+	// MaxRequestBody and MaxResponseBody bound what is hashed and stored.
+	MaxRequestBody  int64 `yaml:"max_request_body"`
+	MaxResponseBody int64 `yaml:"max_response_body"`
+}
+
+// inherit fills r's unset fields from d.
+func (r Rules) inherit(d Rules) Rules {
+	pick := func(a, b *bool) *bool {
+		if a != nil {
+			return a
+		}
+		return b
+	}
+	r.Bypass, r.RequireKey = pick(r.Bypass, d.Bypass), pick(r.RequireKey, d.RequireKey)
+	r.TakeoverSafe, r.CanonicalJSON = pick(r.TakeoverSafe, d.TakeoverSafe), pick(r.CanonicalJSON, d.CanonicalJSON)
+	if r.Methods == nil {
+		r.Methods = d.Methods
+	}
+	if r.KeyFormat == "" {
+		r.KeyFormat = d.KeyFormat
+	}
+	if r.ScopeHeader == "" {
+		r.ScopeHeader = d.ScopeHeader
+	}
+	if r.Lease == 0 {
+		r.Lease = d.Lease
+	}
+	if r.Retention == 0 {
+		r.Retention = d.Retention
+	}
+	if r.Wait == 0 {
+		r.Wait = d.Wait
+	}
+	if r.IncludeFields == nil {
+		r.IncludeFields = d.IncludeFields
+	}
+	if r.ExcludeFields == nil {
+		r.ExcludeFields = d.ExcludeFields
+	}
+	if r.MaxRequestBody == 0 {
+		r.MaxRequestBody = d.MaxRequestBody
+	}
+	if r.MaxResponseBody == 0 {
+		r.MaxResponseBody = d.MaxResponseBody
+	}
+	return r
+}
+
+// middleware turns rules into the httpidem configuration.
+func (r Rules) middleware(eng *idem.Engine, log *slog.Logger) (*httpidem.Middleware, error) {
+	cfg := httpidem.Config{
+		Engine: eng, Methods: r.Methods, RequireKey: r.RequireKey != nil && *r.RequireKey,
+		Lease: r.Lease, Retention: r.Retention, Wait: r.Wait,
+		TakeoverSafe:  r.TakeoverSafe != nil && *r.TakeoverSafe,
+		CanonicalJSON: r.CanonicalJSON != nil && *r.CanonicalJSON,
+		IncludeFields: r.IncludeFields, ExcludeFields: r.ExcludeFields,
+		MaxRequestBody: r.MaxRequestBody, MaxResponseBody: r.MaxResponseBody, Logger: log,
+	}
+	switch strings.ToLower(r.KeyFormat) {
+	case "", "any":
+	case "uuid":
+		cfg.KeyFormat = httpidem.KeyUUID
+	default:
+		return nil, fmt.Errorf("key_format %q: want any or uuid", r.KeyFormat)
+	}
+	switch h := r.ScopeHeader; {
+	case strings.EqualFold(h, "none"):
+	case h == "":
+		cfg.Scope = httpidem.HashScope(DefaultScopeHeader)
+	default:
+		cfg.Scope = httpidem.HashScope(h)
+	}
+	return httpidem.New(cfg)
+}
+
+// Validate checks what can be checked without opening anything.
+func (cfg Config) Validate() error {
+	_, err := cfg.upstreamURL()
+	return err
+}
+
+func (cfg Config) upstreamURL() (*url.URL, error) {
+	if cfg.Upstream == "" {
+		return nil, errors.New("no upstream: set --upstream, IDEM_UPSTREAM or upstream: in the config file")
+	}
+	target, err := url.Parse(cfg.Upstream)
+	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
+		return nil, fmt.Errorf("upstream %q: want an http:// or https:// URL", cfg.Upstream)
+	}
+	return target, nil
+}
+
+// Handler builds the proxying handler: routes, middleware and upstream.
+func Handler(cfg Config, eng *idem.Engine, log *slog.Logger) (http.Handler, error) {
+	target, err := cfg.upstreamURL()
+	if err != nil {
+		return nil, err
+	}
+	up := upstream(target, cmp.Or(cfg.UpstreamTimeout, DefaultUpstreamTimeout), log)
+	mux := http.NewServeMux()
+	hasRoot := false
+	add := func(pattern string, rules Rules) (err error) {
+		defer func() { // ServeMux panics on a bad or conflicting pattern
+			if p := recover(); p != nil {
+				err = fmt.Errorf("route %q: %v", pattern, p)
+			}
+		}()
+		var h http.Handler = up
+		if rules.Bypass == nil || !*rules.Bypass {
+			mw, err := rules.middleware(eng, log)
+			if err != nil {
+				return fmt.Errorf("route %q: %w", pattern, err)
+			}
+			h = mw.Wrap(up)
+		}
+		mux.Handle(pattern, h)
+		return nil
+	}
+	for _, rt := range cfg.Routes {
+		if rt.Match == "" {
+			return nil, errors.New("a route has no match pattern")
+		}
+		hasRoot = hasRoot || rt.Match == "/"
+		if err := add(rt.Match, rt.Rules.inherit(cfg.Defaults)); err != nil {
+			return nil, err
+		}
+	}
+	if !hasRoot {
+		if err := add("/", cfg.Defaults); err != nil {
+			return nil, err
+		}
+	}
+	return mux, nil
+}
+
+type sentKey struct{}
+
+// upstream is a reverse proxy that tells the middleware whether a failed
+// request reached the upstream at all.
+func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Handler {
+	transport := http.DefaultTransport.(*http.Transport).Clone()
+	transport.ResponseHeaderTimeout = timeout
+	transport.MaxIdleConnsPerHost = 256
+	return &httputil.ReverseProxy{
+		Transport: transport,
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			pr.SetXForwarded()
+			pr.Out.Host = pr.In.Host
+			var sent atomic.Bool
+			ctx := context.WithValue(pr.Out.Context(), sentKey{}, &sent)
+			ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+				WroteHeaders: func() { sent.Store(true) },
+			})
+			pr.Out = pr.Out.WithContext(ctx)
+		},
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			sent, _ := r.Context().Value(sentKey{}).(*atomic.Bool)
+			status := http.StatusBadGateway
+			if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) {
+				status = http.StatusGatewayTimeout
+			}
+			if sent != nil && sent.Load() {
+				httpidem.OutcomeUnknown(r)
+				log.Warn("upstream took the request but gave no response: outcome unknown", "err", err)
+			} else {
+				httpidem.NothingHappened(r)
+				log.Warn("upstream unreachable: request not sent, key released", "err", err)
+			}
+			(&httpidem.Problem{Type: httpidem.ProblemBase + "upstream-failed", Title: "Upstream failed", Status: status,
+				Detail: "the upstream did not answer"}).Write(w)
+		},
+	}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// Admin serves /healthz (the process is up) and /readyz (the store answers).
+func Admin(eng *idem.Engine) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		_, err := eng.Get(ctx, "", "idem-readiness-probe")
+		if err != nil && !errors.Is(err, idem.ErrNotFound) {
+			http.Error(w, "store unavailable: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	return mux
+}
+
+// Serve runs the proxy (and the admin listener, when configured) until ctx
+// is cancelled, then shuts down gracefully: in-flight requests finish and
+// store their outcome. ready, when not nil, receives the proxied address once
+// listening.
+func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, ready func(addr, admin string)) error {
+	h, err := Handler(cfg, eng, log)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cmp.Or(cfg.Listen, DefaultListen))
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	servers := []*http.Server{srv}
+	errs := make(chan error, 2)
+	adminAddr := ""
+	if cfg.AdminListen != "" {
+		aln, err := net.Listen("tcp", cfg.AdminListen)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		adminAddr = aln.Addr().String()
+		admin := &http.Server{Handler: Admin(eng), ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, admin)
+		go func() { errs <- admin.Serve(aln) }()
+	}
+	go func() { errs <- srv.Serve(ln) }()
+	log.Info("idem proxy listening", "addr", ln.Addr().String(), "upstream", cfg.Upstream, "admin", adminAddr)
+	if ready != nil {
+		ready(ln.Addr().String(), adminAddr)
+	}
+	select {
+	case err := <-errs:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("shutting down: letting in-flight requests finish")
+	sctx, cancel := context.WithTimeout(context.Background(), cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout))
+	defer cancel()
+	var first error
+	for _, s := range servers {
+		if err := s.Shutdown(sctx); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}

@@ -1,0 +1,367 @@
+package proxy_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/sqlitestore"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func sqliteEngine(t *testing.T) *idem.Engine {
+	t.Helper()
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	e, err := idem.New(idem.Config{Store: s})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// counter is an upstream that counts executions per idempotency key.
+type counter struct {
+	mu   sync.Mutex
+	runs map[string]int
+	fn   func(w http.ResponseWriter, r *http.Request, n int)
+}
+
+func (c *counter) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	c.mu.Lock()
+	if c.runs == nil {
+		c.runs = map[string]int{}
+	}
+	c.runs[r.Header.Get("Idempotency-Key")]++
+	n := c.runs[r.Header.Get("Idempotency-Key")]
+	c.mu.Unlock()
+	c.fn(w, r, n)
+}
+
+func (c *counter) count(key string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.runs[key]
+}
+
+func start(t *testing.T, cfg proxy.Config, eng *idem.Engine, up http.Handler) *httptest.Server {
+	t.Helper()
+	upstream := httptest.NewServer(up)
+	t.Cleanup(upstream.Close)
+	if cfg.Upstream == "" {
+		cfg.Upstream = upstream.URL
+	}
+	h, err := proxy.Handler(cfg, eng, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	srv.Client().Transport.(*http.Transport).MaxIdleConnsPerHost = 256
+	return srv
+}
+
+type reply struct {
+	status int
+	body   string
+	typ    string
+	header http.Header
+}
+
+func post(t *testing.T, srv *httptest.Server, path, key, body string, headers ...string) reply {
+	t.Helper()
+	req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader(body))
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	r := reply{status: resp.StatusCode, body: string(b), header: resp.Header}
+	if resp.Header.Get("Content-Type") == "application/problem+json" {
+		var p httpidem.Problem
+		json.Unmarshal(b, &p)
+		r.typ = p.Type
+	}
+	return r
+}
+
+func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
+	for name, eng := range map[string]*idem.Engine{"memstore": mustEngine(t, memstore.New()), "sqlite": sqliteEngine(t)} {
+		t.Run(name, func(t *testing.T) {
+			up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+				time.Sleep(5 * time.Millisecond) // a real upstream takes a while: let duplicates overlap
+				w.WriteHeader(201)
+				fmt.Fprintf(w, `{"execution":%d}`, n)
+			}}
+			srv := start(t, proxy.Config{}, eng, up)
+			var wg sync.WaitGroup
+			replies := make([]reply, 200)
+			gate := make(chan struct{})
+			for i := range replies {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-gate
+					replies[i] = post(t, srv, "/v1/charges", "same-key", `{"amount":100}`)
+				}()
+			}
+			close(gate)
+			wg.Wait()
+			outcomes, conflicts := 0, 0
+			for _, r := range replies {
+				switch {
+				case r.status == 201 && r.body == `{"execution":1}`:
+					outcomes++
+				case r.status == 409 && r.typ == httpidem.ProblemInProgress:
+					conflicts++
+				default:
+					t.Fatalf("reply %d %q", r.status, r.body)
+				}
+			}
+			if up.count("same-key") != 1 {
+				t.Fatalf("upstream executed %d times", up.count("same-key"))
+			}
+			t.Logf("200 duplicates: 1 execution, %d got the outcome, %d got 409", outcomes, conflicts)
+		})
+	}
+}
+
+func mustEngine(t *testing.T, s idem.Store) *idem.Engine {
+	t.Helper()
+	e, err := idem.New(idem.Config{Store: s})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func TestUpstreamRefusedReleasesKey(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "http://" + ln.Addr().String()
+	ln.Close() // nothing listens there now: connections are refused
+	eng := mustEngine(t, memstore.New())
+	srv := start(t, proxy.Config{Upstream: closed}, eng, http.NotFoundHandler())
+	for fence := int64(1); fence <= 2; fence++ {
+		if r := post(t, srv, "/pay", "k", "x"); r.status != 502 {
+			t.Fatalf("refused upstream: %d %q", r.status, r.body)
+		}
+		rec, err := eng.Get(context.Background(), "", "k")
+		if err != nil || rec.State != idem.StateFailed || rec.Fence != fence {
+			t.Fatalf("after attempt %d: %+v, %v; want released (failed) with fence %d", fence, rec, err, fence)
+		}
+	}
+}
+
+func TestUpstreamSilentAfterRequestIsUncertain(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		io.ReadAll(r.Body)
+		conn, _, err := http.NewResponseController(w).Hijack() // took the request, then the line dies
+		if err == nil {
+			conn.Close()
+		}
+	}}
+	srv := start(t, proxy.Config{}, eng, up)
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 502 {
+		t.Fatalf("first: %d", r.status)
+	}
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 409 || r.typ != httpidem.ProblemUncertain {
+		t.Fatalf("retry: %d %q, want 409 operation-uncertain", r.status, r.typ)
+	}
+	if up.count("k") != 1 {
+		t.Fatalf("upstream ran %d times, want once", up.count("k"))
+	}
+}
+
+func TestUpstreamTimeoutIsUncertain(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	release := make(chan struct{})
+	defer close(release)
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) { <-release }}
+	srv := start(t, proxy.Config{UpstreamTimeout: 50 * time.Millisecond}, eng, up)
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 504 {
+		t.Fatalf("first: %d, want 504", r.status)
+	}
+	if r := post(t, srv, "/pay", "k", "x"); r.typ != httpidem.ProblemUncertain || up.count("k") != 1 {
+		t.Fatalf("retry: %d %q, upstream runs %d", r.status, r.typ, up.count("k"))
+	}
+}
+
+func TestUpstreamBusyReleases(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		if n == 1 {
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(429)
+			return
+		}
+		w.WriteHeader(201)
+		fmt.Fprintf(w, "run %d", n)
+	}}
+	srv := start(t, proxy.Config{}, eng, up)
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 429 {
+		t.Fatalf("first: %d", r.status)
+	}
+	for range 2 {
+		if r := post(t, srv, "/pay", "k", "x"); r.status != 201 || r.body != "run 2" {
+			t.Fatalf("after a 429: %d %q", r.status, r.body)
+		}
+	}
+	if up.count("k") != 2 {
+		t.Fatalf("upstream ran %d times, want 2", up.count("k"))
+	}
+}
+
+func TestRoutesAndScopes(t *testing.T) {
+	yes := true
+	cfg := proxy.Config{
+		Defaults: proxy.Rules{ScopeHeader: "X-Api-Key"},
+		Routes: []proxy.Route{
+			{Match: "POST /v1/charges", Rules: proxy.Rules{RequireKey: &yes, KeyFormat: "uuid"}},
+			{Match: "/v1/webhooks/", Rules: proxy.Rules{Bypass: &yes}},
+		},
+	}
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		fmt.Fprintf(w, "%s run %d", r.Header.Get("X-Api-Key"), n)
+	}}
+	srv := start(t, cfg, mustEngine(t, memstore.New()), up)
+	if r := post(t, srv, "/v1/charges", "", "x"); r.status != 400 || r.typ != httpidem.ProblemKeyMissing {
+		t.Fatalf("charges without key: %d %q", r.status, r.typ)
+	}
+	if r := post(t, srv, "/v1/charges", "not-a-uuid", "x"); r.status != 400 || r.typ != httpidem.ProblemKeyInvalid {
+		t.Fatalf("charges with a non-uuid key: %d %q", r.status, r.typ)
+	}
+	if r := post(t, srv, "/v1/orders", "", "x"); r.status != 200 {
+		t.Fatalf("default route without key: %d", r.status)
+	}
+	key := "2f1e0d9c-8b7a-4c6d-9e5f-4a3b2c1d0e9f"
+	a1 := post(t, srv, "/v1/charges", key, "x", "X-Api-Key", "tenant-a")
+	b1 := post(t, srv, "/v1/charges", key, "x", "X-Api-Key", "tenant-b")
+	a2 := post(t, srv, "/v1/charges", key, "x", "X-Api-Key", "tenant-a")
+	// The upstream counts by key alone: tenant b's request is its second run of it.
+	if a1.body != "tenant-a run 1" || b1.body != "tenant-b run 2" || a2.body != a1.body || a2.header.Get("Idempotent-Replayed") != "true" || up.count(key) != 2 {
+		t.Fatalf("scopes: a %q, b %q, a again %q", a1.body, b1.body, a2.body)
+	}
+	post(t, srv, "/v1/webhooks/stripe", "w", "x")
+	if r := post(t, srv, "/v1/webhooks/stripe", "w", "x"); r.body != " run 2" {
+		t.Fatalf("bypassed route was deduplicated: %q", r.body)
+	}
+}
+
+func TestBadRoutesAreRefused(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	for name, cfg := range map[string]proxy.Config{
+		"no upstream":      {},
+		"ftp upstream":     {Upstream: "ftp://x"},
+		"bad pattern":      {Upstream: "http://x", Routes: []proxy.Route{{Match: "POST"}}},
+		"empty pattern":    {Upstream: "http://x", Routes: []proxy.Route{{}}},
+		"duplicate routes": {Upstream: "http://x", Routes: []proxy.Route{{Match: "/a"}, {Match: "/a"}}},
+		"bad key format":   {Upstream: "http://x", Defaults: proxy.Rules{KeyFormat: "ulid"}},
+	} {
+		if _, err := proxy.Handler(cfg, eng, quiet); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
+
+type downStore struct{ idem.Store }
+
+func (downStore) Get(context.Context, idem.GetParams) (idem.Record, error) {
+	return idem.Record{}, idem.ErrUnavailable
+}
+
+func TestAdmin(t *testing.T) {
+	for name, c := range map[string]struct {
+		store idem.Store
+		ready int
+	}{"up": {memstore.New(), 200}, "down": {downStore{memstore.New()}, 503}} {
+		srv := httptest.NewServer(proxy.Admin(mustEngine(t, c.store)))
+		defer srv.Close()
+		for path, want := range map[string]int{"/healthz": 200, "/readyz": c.ready} {
+			resp, err := http.Get(srv.URL + path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != want {
+				t.Errorf("store %s: %s = %d, want %d", name, path, resp.StatusCode, want)
+			}
+		}
+	}
+}
+
+// TestGracefulShutdown: a request in flight when shutdown begins finishes,
+// and its outcome is stored for the retry.
+func TestGracefulShutdown(t *testing.T) {
+	eng := sqliteEngine(t)
+	started, release := make(chan struct{}), make(chan struct{})
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(started)
+		<-release
+		w.WriteHeader(201)
+		io.WriteString(w, "charged")
+	}))
+	defer upstream.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	addr := make(chan string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, quiet,
+			func(a, _ string) { addr <- a })
+	}()
+	url := "http://" + <-addr + "/pay"
+	got := make(chan string, 1)
+	go func() {
+		req, _ := http.NewRequest("POST", url, strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			got <- err.Error()
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		got <- string(b)
+	}()
+	<-started
+	cancel() // SIGTERM
+	close(release)
+	if body := <-got; body != "charged" {
+		t.Fatalf("in-flight request during shutdown got %q", body)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	rec, err := eng.Get(context.Background(), "", "k") // no Authorization header: the empty scope
+	if err != nil || rec.State != idem.StateCompleted {
+		t.Fatalf("record after shutdown: %+v, %v", rec, err)
+	}
+}
