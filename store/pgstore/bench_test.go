@@ -1,0 +1,165 @@
+package pgstore_test
+
+import (
+	"fmt"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/pgstore"
+)
+
+// The benchmarks run on a pool of one connection, so ns/op is the latency a
+// single caller sees; every write is its own commit, as in production. The
+// raw benchmarks do the same work with bare statements on a bare table of
+// the same shape in the same schema, to show what the store adds.
+
+var benchResponse = &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
+	Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
+
+type bench struct {
+	store   *pgstore.Store
+	schema  string
+	pool    *pgxpool.Pool // one connection, counted
+	counter *queryCounter
+}
+
+func newBench(b *testing.B) bench {
+	b.Helper()
+	_, schema := newStore(b) // migrates on the shared pool
+	pool, counter := countingPool(b, 1)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return bench{store: s, schema: schema, pool: pool, counter: counter}
+}
+
+// loop runs op under b.Loop and reports round trips (queries sent) per op
+// and ops/s.
+func (x bench) loop(b *testing.B, op func(i int)) {
+	start, ops := x.counter.n.Load(), 0
+	for b.Loop() {
+		op(ops)
+		ops++
+	}
+	b.ReportMetric(float64(x.counter.n.Load()-start)/float64(ops), "roundtrips/op")
+	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
+}
+
+func token(b *testing.B) string {
+	t, err := idem.NewToken()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return t
+}
+
+func BenchmarkAcquireComplete(b *testing.B) {
+	x := newBench(b)
+	f, now := fp("a"), time.Now()
+	x.loop(b, func(i int) {
+		key, tok := fmt.Sprintf("key-%08d", i), token(b)
+		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "tenant", Key: key, Fingerprint: f, Token: tok,
+			Now: now, LeaseExpires: now.Add(30 * time.Second)})
+		if err != nil || r.Token != tok {
+			b.Fatalf("Acquire = %+v, %v", r, err)
+		}
+		if err := x.store.Finish(ctx, idem.FinishParams{Scope: "tenant", Key: key, Token: tok, Now: now,
+			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(24 * time.Hour)}); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+func BenchmarkReplay(b *testing.B) {
+	x := newBench(b)
+	now := time.Now()
+	p := idem.AcquireParams{Scope: "tenant", Key: "key", Fingerprint: fp("a"), Token: "first", Now: now, LeaseExpires: now.Add(30 * time.Second)}
+	if _, err := x.store.Acquire(ctx, p); err != nil {
+		b.Fatal(err)
+	}
+	if err := x.store.Finish(ctx, idem.FinishParams{Scope: "tenant", Key: "key", Token: "first", Now: now,
+		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(24 * time.Hour)}); err != nil {
+		b.Fatal(err)
+	}
+	x.loop(b, func(int) {
+		p.Token = token(b)
+		r, err := x.store.Acquire(ctx, p)
+		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
+			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
+		}
+	})
+}
+
+// rawTable creates a bare table shaped like records (same columns, types and
+// primary key; no checks, no partial indexes) and returns its name.
+func (x bench) rawTable(b *testing.B) string {
+	b.Helper()
+	name := table(x.schema, "raw")
+	if _, err := sharedPool(b).Exec(ctx, `CREATE TABLE `+name+` (
+		scope text COLLATE "C" NOT NULL, key text COLLATE "C" NOT NULL, state text NOT NULL,
+		fingerprint text NOT NULL, token text NOT NULL, fence bigint NOT NULL,
+		lease_expires timestamptz NOT NULL, takeover_safe boolean NOT NULL, response bytea,
+		created timestamptz NOT NULL, updated timestamptz NOT NULL, expires timestamptz,
+		PRIMARY KEY (scope, key))`); err != nil {
+		b.Fatal(err)
+	}
+	return name
+}
+
+func BenchmarkRawInsertUpdate(b *testing.B) {
+	x := newBench(b)
+	name := x.rawTable(b)
+	insert := `INSERT INTO ` + name + ` (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
+		VALUES ($1, $2, 'in_progress', $3, $4, 1, $5, false, $6, $6)`
+	update := `UPDATE ` + name + ` SET state = 'completed', response = $3, expires = $4, updated = $5
+		WHERE scope = $1 AND key = $2`
+	response, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	f, now := string(fp("a")), time.Now()
+	x.loop(b, func(i int) {
+		key := fmt.Sprintf("key-%08d", i)
+		if _, err := x.pool.Exec(ctx, insert, "tenant", key, f, token(b), now.Add(30*time.Second), now); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := x.pool.Exec(ctx, update, "tenant", key, response, now.Add(24*time.Hour), now); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+func BenchmarkRawSelect(b *testing.B) {
+	x := newBench(b)
+	name := x.rawTable(b)
+	response, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	now := time.Now()
+	if _, err := x.pool.Exec(ctx, `INSERT INTO `+name+` VALUES ('tenant', 'key', 'completed', $1, 'first', 1, $2, false, $3, $4, $4, $5)`,
+		string(fp("a")), now.Add(30*time.Second), response, now, now.Add(24*time.Hour)); err != nil {
+		b.Fatal(err)
+	}
+	query := `SELECT scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires
+		FROM ` + name + ` WHERE scope = $1 AND key = $2`
+	x.loop(b, func(int) {
+		var (
+			scope, key, state, fingerprint, tok string
+			fence                               int64
+			leaseExpires, created, updated      time.Time
+			takeoverSafe                        bool
+			resp                                []byte
+			expires                             *time.Time
+		)
+		if err := x.pool.QueryRow(ctx, query, "tenant", "key").Scan(&scope, &key, &state, &fingerprint, &tok, &fence,
+			&leaseExpires, &takeoverSafe, &resp, &created, &updated, &expires); err != nil {
+			b.Fatal(err)
+		}
+	})
+}

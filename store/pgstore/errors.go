@@ -1,0 +1,64 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemhq/idem"
+)
+
+// translate turns a driver error into the root package's vocabulary at the
+// store's edge. Errors that mean the server could not be reached or did not
+// answer wrap [idem.ErrUnavailable]; every other error is wrapped with the
+// operation's name. The driver's error stays in the chain (for logs and for
+// errors.Is with context.Canceled or context.DeadlineExceeded), but no pgx
+// type is part of the API.
+func translate(op string, err error) error {
+	if unavailable(err) {
+		return fmt.Errorf("pgstore: %s: %w: %w", op, idem.ErrUnavailable, err)
+	}
+	return fmt.Errorf("pgstore: %s: %w", op, err)
+}
+
+// unavailable reports whether err means that the store could not be reached
+// or did not answer, so that the outcome of the call is not known.
+func unavailable(err error) bool {
+	switch {
+	case errors.Is(err, context.Canceled):
+		// The caller gave up; the store did nothing wrong.
+		return false
+	case errors.Is(err, context.DeadlineExceeded):
+		// The store did not answer in time. (A context already done before
+		// the call never gets here: each method checks it first.)
+		return true
+	}
+	var connectErr *pgconn.ConnectError
+	if errors.As(err, &connectErr) {
+		// No connection at all: refused, timed out, TLS or auth failure.
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		code := pgErr.Code
+		return strings.HasPrefix(code, "08") || // connection exception
+			strings.HasPrefix(code, "53") || // insufficient resources: too many connections, disk full, out of memory
+			strings.HasPrefix(code, "57P") || // operator intervention: admin or crash shutdown, cannot connect now
+			code == "57014" || // query canceled: statement_timeout, the server did not answer in time
+			code == "25006" // read-only transaction: a standby, e.g. mid-failover
+	}
+	if pgconn.Timeout(err) || pgconn.SafeToRetry(err) {
+		return true
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		return true
+	}
+	// The server closed the connection mid-conversation.
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
+}

@@ -1,0 +1,692 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/pgstore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+var ctx = context.Background()
+
+// t0 is a whole-millisecond time, like the suite's.
+var t0 = time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC)
+
+func fp(body string) idem.Fingerprint {
+	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
+}
+
+func acquireParams(key, token string, now time.Time) idem.AcquireParams {
+	return idem.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: token, Now: now, LeaseExpires: now.Add(30 * time.Second)}
+}
+
+func completeParams(key, token string, now time.Time) idem.FinishParams {
+	return idem.FinishParams{Scope: "s", Key: key, Token: token, Now: now, State: idem.StateCompleted,
+		Response: &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}, Expires: now.Add(time.Hour)}
+}
+
+func mustAcquire(t *testing.T, s *pgstore.Store, p idem.AcquireParams) idem.Record {
+	t.Helper()
+	r, err := s.Acquire(ctx, p)
+	if err != nil {
+		t.Fatalf("Acquire(%q): %v", p.Key, err)
+	}
+	if r.Token != p.Token {
+		t.Fatalf("Acquire(%q) did not take the lease: %+v", p.Key, r)
+	}
+	return r
+}
+
+func countRows(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+func TestConformance(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) idem.Store {
+		s, _ := newStore(t)
+		return s
+	})
+}
+
+func TestPruneDeletesRows(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	countAll := "SELECT count(*) FROM " + table(schema, "records")
+
+	// Seven settled records that expire at t0+1h, one that lives longer, one
+	// running and one unknown.
+	for i := range 7 {
+		key := fmt.Sprintf("old-%d", i)
+		mustAcquire(t, s, acquireParams(key, "tok", t0))
+		p := completeParams(key, "tok", t0)
+		if i%2 == 1 {
+			p.State, p.Response = idem.StateFailed, nil
+		}
+		if err := s.Finish(ctx, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustAcquire(t, s, acquireParams("live", "tok", t0))
+	live := completeParams("live", "tok", t0)
+	live.Expires = t0.Add(2 * time.Hour)
+	if err := s.Finish(ctx, live); err != nil {
+		t.Fatal(err)
+	}
+	mustAcquire(t, s, acquireParams("running", "tok", t0))
+	mustAcquire(t, s, acquireParams("unknown", "tok", t0))
+	if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "unknown", Token: "tok", Now: t0, State: idem.StateUnknown}); err != nil {
+		t.Fatal(err)
+	}
+	if n := countRows(t, pool, countAll); n != 10 {
+		t.Fatalf("%d rows before pruning, want 10", n)
+	}
+
+	// Just before expiry nothing goes.
+	if n, err := s.Prune(ctx, idem.PruneParams{Now: t0.Add(time.Hour - time.Microsecond), Limit: 3}); err != nil || n != 0 {
+		t.Fatalf("Prune before expiry = %d, %v; want 0", n, err)
+	}
+	// At expiry, batches of at most 3: 3, 3, 1, 0.
+	now := t0.Add(time.Hour)
+	for i, want := range []int{3, 3, 1, 0} {
+		n, err := s.Prune(ctx, idem.PruneParams{Now: now, Limit: 3})
+		if err != nil || n != want {
+			t.Fatalf("Prune batch %d = %d, %v; want %d", i, n, err, want)
+		}
+		if rows := countRows(t, pool, countAll); rows != 10-min(3*(i+1), 7) {
+			t.Fatalf("after batch %d: %d rows left, want %d", i, rows, 10-min(3*(i+1), 7))
+		}
+	}
+	if n := countRows(t, pool, countAll+" WHERE key LIKE 'old-%'"); n != 0 {
+		t.Fatalf("%d expired rows survived pruning", n)
+	}
+	for _, key := range []string{"live", "running", "unknown"} {
+		if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
+			t.Fatalf("Get(%q) after prune: %v", key, err)
+		}
+	}
+}
+
+// TestPruneRacesAcquire: records that expired are pruned while retries
+// re-create them; a re-created record is never deleted.
+func TestPruneRacesAcquire(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t)
+	const n = 200
+	for i := range n {
+		key := fmt.Sprintf("k-%03d", i)
+		mustAcquire(t, s, acquireParams(key, "old", t0))
+		if err := s.Finish(ctx, completeParams(key, "old", t0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := t0.Add(time.Hour) // every record has just expired
+	var wg sync.WaitGroup
+	errs := make(chan error, n+1)
+	wg.Go(func() {
+		for {
+			k, err := s.Prune(ctx, idem.PruneParams{Now: now, Limit: 1})
+			if err != nil {
+				errs <- err
+				return
+			}
+			if k == 0 {
+				return
+			}
+		}
+	})
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("k-%03d", i)
+			r, err := s.Acquire(ctx, acquireParams(key, "new", now))
+			if err == nil && (r.Token != "new" || r.Fence != 1) {
+				err = fmt.Errorf("%s: Acquire over an expired record = %+v", key, r)
+			}
+			if err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if k, err := s.Prune(ctx, idem.PruneParams{Now: now}); err != nil || k != 0 {
+		t.Fatalf("final Prune = %d, %v; want nothing left to prune", k, err)
+	}
+	for i := range n {
+		key := fmt.Sprintf("k-%03d", i)
+		if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
+			t.Fatalf("%s after the race: %+v, %v; want the re-created record", key, r, err)
+		}
+	}
+}
+
+// ledger creates a business table in schema for the transactional tests.
+func ledger(t *testing.T, schema string) string {
+	t.Helper()
+	name := table(schema, "ledger")
+	if _, err := sharedPool(t).Exec(ctx, "CREATE TABLE "+name+" (id text PRIMARY KEY, amount bigint NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+func TestFinishTxCommitsTogether(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	ledger := ledger(t, schema)
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "INSERT INTO "+ledger+" VALUES ('ch_1', 500)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.FinishTx(ctx, tx, completeParams("k", "tok", t0)); err != nil {
+		t.Fatalf("FinishTx: %v", err)
+	}
+	// Until the commit, others see neither the record's outcome nor the debit.
+	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateInProgress {
+		t.Fatalf("before commit: Get = %v, %v; want in progress", r.State, err)
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+ledger); n != 0 {
+		t.Fatalf("before commit: %d ledger rows visible", n)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(time.Second)))
+	if err != nil || r.State != idem.StateCompleted || string(r.Response.Body) != `{"id":"ch_1"}` {
+		t.Fatalf("after commit: Acquire = %+v, %v; want the completed record", r, err)
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+ledger+" WHERE id = 'ch_1' AND amount = 500"); n != 1 {
+		t.Fatalf("after commit: %d ledger rows, want 1", n)
+	}
+}
+
+func TestFinishTxRollbackLeavesInProgress(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	ledger := ledger(t, schema)
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "INSERT INTO "+ledger+" VALUES ('ch_1', 500)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.FinishTx(ctx, tx, completeParams("k", "tok", t0)); err != nil {
+		t.Fatalf("FinishTx: %v", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || r.State != idem.StateInProgress || r.Token != "tok" || r.Response != nil || !r.Expires.IsZero() {
+		t.Fatalf("after rollback: Get = %+v, %v; want the record in progress under the same lease", r, err)
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+ledger); n != 0 {
+		t.Fatalf("after rollback: %d ledger rows, want none", n)
+	}
+	// The lease still owns the record, so a later Finish works.
+	if err := s.Finish(ctx, completeParams("k", "tok", t0)); err != nil {
+		t.Fatalf("Finish after the rolled-back FinishTx: %v", err)
+	}
+}
+
+func TestFinishTxStaleToken(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t)
+	pool := sharedPool(t)
+	p := acquireParams("k", "old", t0)
+	p.TakeoverSafe = true
+	mustAcquire(t, s, p)
+	// The lease runs out and a retry takes over.
+	p.Token, p.Now, p.LeaseExpires = "new", t0.Add(31*time.Second), t0.Add(61*time.Second)
+	if r := mustAcquire(t, s, p); r.Fence != 2 {
+		t.Fatalf("takeover fence = %d, want 2", r.Fence)
+	}
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	err = s.FinishTx(ctx, tx, completeParams("k", "old", p.Now))
+	if !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("FinishTx with the stale token = %v, want ErrLeaseLost", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: p.Now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
+		t.Fatalf("record after the stale FinishTx = %+v, %v", r, err)
+	}
+	err = s.FinishTx(ctx, nil, completeParams("k", "new", p.Now))
+	if !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("FinishTx with a nil tx = %v, want ErrInvalid", err)
+	}
+}
+
+// closedPortPool returns a pool to a port on 127.0.0.1 that nothing listens
+// on. It connects lazily, so making it succeeds.
+func closedPortPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig("postgres://postgres@" + addr + "/test?sslmode=disable&connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestUnreachableServer needs no server: it runs without the variable.
+func TestUnreachableServer(t *testing.T) {
+	t.Parallel()
+	pool := closedPortPool(t)
+	if _, err := pgstore.New(ctx, pgstore.Config{Pool: pool}); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("New (migrating) on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, NoMigrate: true})
+	if err != nil {
+		t.Fatalf("New without migrating does no I/O, yet: %v", err)
+	}
+	_, err = s.Acquire(ctx, acquireParams("k", "tok", t0))
+	if !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Acquire on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	if errors.Is(err, idem.ErrNotFound) || errors.Is(err, idem.ErrLeaseLost) || errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("Acquire error %v also claims another outcome", err)
+	}
+	if err := s.Finish(ctx, completeParams("k", "tok", t0)); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Finish on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Get on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	_, err = s.Acquire(canceled, acquireParams("k", "tok", t0))
+	if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Acquire with a canceled context = %v, want context.Canceled and not ErrUnavailable", err)
+	}
+}
+
+// TestDeadlineIsUnavailable: a statement that does not answer before the
+// context's deadline (here, one waiting on a row lock held by another
+// transaction) is reported as ErrUnavailable, and the deadline stays visible.
+func TestDeadlineIsUnavailable(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM "+table(schema, "records")+" WHERE key = 'k' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	err = s.Finish(short, completeParams("k", "tok", t0))
+	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Finish blocked past its deadline = %v, want ErrUnavailable wrapping context.DeadlineExceeded", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The outcome is unknown, as ErrUnavailable says: the abandoned statement
+	// may still run on the server once the lock is free. Retrying with the
+	// same token settles it either way: the retry completes the record, or it
+	// finds the record already completed by the first attempt.
+	if err := s.Finish(ctx, completeParams("k", "tok", t0)); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("retried Finish: %v", err)
+	}
+	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateCompleted || r.Token != "tok" {
+		t.Fatalf("record after the retried Finish = %+v, %v; want completed", r, err)
+	}
+}
+
+func TestConcurrentNewMigratesOnce(t *testing.T) {
+	t.Parallel()
+	schema := newSchema(t)
+	pool := sharedPool(t)
+	const n = 10
+	errs := make([]error, n)
+	stores := make([]*pgstore.Store, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			stores[i], errs[i] = pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+		})
+	}
+	close(start)
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("New #%d: %v", i, err)
+		}
+	}
+	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")+" WHERE version = 1"); v != 1 {
+		t.Fatalf("migration 1 recorded %d times, want once", v)
+	}
+	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")); v != 1 {
+		t.Fatalf("%d migrations recorded, want 1", v)
+	}
+	// Migrating again changes nothing, and every store works on the one table.
+	if err := stores[0].Migrate(ctx); err != nil {
+		t.Fatalf("Migrate again: %v", err)
+	}
+	mustAcquire(t, stores[3], acquireParams("k", "tok", t0))
+	if r, err := stores[7].Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.Token != "tok" {
+		t.Fatalf("Get through another store = %+v, %v", r, err)
+	}
+}
+
+// TestRoundTrips counts the statements each operation sends.
+func TestRoundTrips(t *testing.T) {
+	t.Parallel()
+	_, schema := newStore(t) // migrates on the shared pool
+	pool, counter := countingPool(t, 1)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cost := func(what string, op func() error) {
+		t.Helper()
+		before := counter.n.Load()
+		if err := op(); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if n := counter.n.Load() - before; n != 1 {
+			t.Fatalf("%s took %d queries, want 1", what, n)
+		}
+	}
+	cost("Acquire of a new key", func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
+	renew := idem.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
+	cost("Renew", func() error { return s.Renew(ctx, renew) })
+	cost("Finish", func() error { return s.Finish(ctx, completeParams("k", "tok", t0.Add(2*time.Second))) })
+	cost("Acquire that replays", func() error {
+		r, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(3*time.Second)))
+		if err == nil && r.State != idem.StateCompleted {
+			err = fmt.Errorf("state %v, want completed", r.State)
+		}
+		return err
+	})
+	cost("Get", func() error { _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
+	cost("Scan", func() error { _, err := s.Scan(ctx, idem.ScanParams{Now: t0}); return err })
+	cost("Prune", func() error { _, err := s.Prune(ctx, idem.PruneParams{Now: t0}); return err })
+}
+
+// TestReplayWritesNothing: an acquire that returns the row as it is (a replay,
+// a running lease, an UNKNOWN record, a refused takeover) neither writes a new
+// row version nor even locks the row.
+func TestReplayWritesNothing(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	version := func(key string) string {
+		t.Helper()
+		var v string
+		// A new row version changes ctid and xmin; a lock, even one that
+		// does not update, sets xmax to the locker's transaction.
+		if err := pool.QueryRow(ctx, "SELECT ctid::text || ' ' || xmin::text || ' ' || xmax::text FROM "+
+			table(schema, "records")+" WHERE key = $1", key).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	same := func(what, key string, p idem.AcquireParams, want idem.State) {
+		t.Helper()
+		before := version(key)
+		r, err := s.Acquire(ctx, p)
+		if err != nil || r.State != want || r.Token == p.Token {
+			t.Fatalf("%s: Acquire = %+v, %v; want the %v record as it was", what, r, err, want)
+		}
+		if after := version(key); after != before {
+			t.Fatalf("%s wrote the row: (ctid xmin xmax) %s -> %s", what, before, after)
+		}
+	}
+
+	mustAcquire(t, s, acquireParams("done", "tok", t0))
+	if err := s.Finish(ctx, completeParams("done", "tok", t0)); err != nil {
+		t.Fatal(err)
+	}
+	same("a replay", "done", acquireParams("done", "x", t0.Add(time.Second)), idem.StateCompleted)
+	other := acquireParams("done", "x", t0.Add(time.Second))
+	other.Fingerprint = fp("b")
+	same("a mismatch", "done", other, idem.StateCompleted)
+
+	mustAcquire(t, s, acquireParams("running", "tok", t0))
+	same("an acquire during the lease", "running", acquireParams("running", "x", t0.Add(time.Second)), idem.StateInProgress)
+
+	// The first acquire after expiry writes UNKNOWN; the next ones only read.
+	mustAcquire(t, s, acquireParams("lost", "tok", t0))
+	if r, err := s.Acquire(ctx, acquireParams("lost", "x", t0.Add(time.Minute))); err != nil || r.State != idem.StateUnknown {
+		t.Fatalf("Acquire after expiry = %+v, %v; want unknown", r, err)
+	}
+	same("an acquire of an unknown record", "lost", acquireParams("lost", "y", t0.Add(2*time.Minute)), idem.StateUnknown)
+
+	safe := acquireParams("safe", "tok", t0)
+	safe.TakeoverSafe = true
+	mustAcquire(t, s, safe)
+	refused := acquireParams("safe", "x", t0.Add(time.Minute))
+	refused.Fingerprint, refused.TakeoverSafe = fp("b"), true
+	same("a takeover refused for another payload", "safe", refused, idem.StateInProgress)
+}
+
+// TestAcquireRetriesAfterConcurrentCommit forces the race Acquire re-runs its
+// statement for: another transaction writes the row after the statement's
+// snapshot, so ON CONFLICT finds nothing to write while the snapshot shows no
+// usable row. Acquire must return the committed row, not nothing and not the
+// row as the snapshot saw it.
+func TestAcquireRetriesAfterConcurrentCommit(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		before func(t *testing.T, s *pgstore.Store) // the row before the race
+		write  string                               // the concurrent transaction's statement
+	}{
+		{
+			name:   "inserted",
+			before: func(*testing.T, *pgstore.Store) {},
+			write: `INSERT INTO %s (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
+				VALUES ('s', 'k', 'in_progress', $1, 'winner', 1, $2, false, $3, $3)`,
+		},
+		{
+			name: "taken over",
+			before: func(t *testing.T, s *pgstore.Store) {
+				p := acquireParams("k", "first", t0.Add(-time.Minute))
+				p.TakeoverSafe = true
+				mustAcquire(t, s, p)
+			},
+			write: `UPDATE %s SET token = 'winner', fence = fence + 1, lease_expires = $2, updated = $3
+				WHERE key = 'k' AND fingerprint = $1`,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, schema := newStore(t)
+			pool, counter := countingPool(t, 1)
+			s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.before(t, s)
+			var pid int32
+			if err := pool.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+				t.Fatal(err)
+			}
+
+			tx, err := sharedPool(t).Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback(ctx) }()
+			if _, err := tx.Exec(ctx, fmt.Sprintf(tc.write, table(schema, "records")), string(fp("a")), t0.Add(30*time.Second), t0); err != nil {
+				t.Fatal(err)
+			}
+
+			p := acquireParams("k", "loser", t0)
+			p.TakeoverSafe = true
+			before := counter.n.Load()
+			type result struct {
+				r   idem.Record
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				r, err := s.Acquire(ctx, p)
+				done <- result{r, err}
+			}()
+			// Wait until the acquire blocks on the uncommitted row (its
+			// snapshot is taken by then), then commit.
+			waitForLockWait(t, pid)
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			res := <-done
+			if res.err != nil {
+				t.Fatalf("Acquire: %v", res.err)
+			}
+			if res.r.Token != "winner" || res.r.State != idem.StateInProgress || !res.r.LeaseExpires.Equal(t0.Add(30*time.Second)) {
+				t.Fatalf("Acquire returned %+v, want the committed record owned by the winner", res.r)
+			}
+			if n := counter.n.Load() - before; n != 2 {
+				t.Fatalf("Acquire sent %d statements, want 2 (the statement and one re-run)", n)
+			}
+		})
+	}
+}
+
+// waitForLockWait polls until the backend pid waits on a lock.
+func waitForLockWait(t *testing.T, pid int32) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting bool
+		if err := sharedPool(t).QueryRow(ctx,
+			"SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1", pid).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the acquire never waited on the concurrent transaction's row")
+		}
+	}
+}
+
+func TestScanCursor(t *testing.T) {
+	t.Parallel()
+	s, _ := newStore(t)
+	// Scopes and keys that would collide if simply joined.
+	for _, ref := range [][2]string{{"a:b", "c"}, {"a", "b:c"}, {"a", "b"}, {"", "z"}} {
+		if _, err := s.Acquire(ctx, idem.AcquireParams{Scope: ref[0], Key: ref[1], Fingerprint: fp("a"), Token: "tok",
+			Now: t0, LeaseExpires: t0.Add(time.Second)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	cursor := ""
+	for {
+		res, err := s.Scan(ctx, idem.ScanParams{Now: t0.Add(time.Second), Limit: 1, Cursor: cursor})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range res.Records {
+			got = append(got, r.Scope+"|"+r.Key)
+		}
+		if cursor = res.Cursor; cursor == "" {
+			break
+		}
+	}
+	if want := []string{"|z", "a|b", "a|b:c", "a:b|c"}; strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("scan order %q, want %q", got, want)
+	}
+	for _, bad := range []string{"%%%", "AA", "AQ", "Ag"} {
+		if _, err := s.Scan(ctx, idem.ScanParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
+			t.Fatalf("Scan with cursor %q = %v, want ErrInvalid", bad, err)
+		}
+	}
+}
+
+// TestSchemaNameIsQuoted: a schema name that is not a plain identifier is
+// quoted everywhere, including in the migrations.
+func TestSchemaNameIsQuoted(t *testing.T) {
+	t.Parallel()
+	pool := sharedPool(t)
+	schema := newSchema(t) + `; DROP TABLE x; "Mixed Case`
+	t.Cleanup(func() {
+		if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+			t.Error(err)
+		}
+	})
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+	if n := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "records")); n != 1 {
+		t.Fatalf("%d rows in the quoted schema's table, want 1", n)
+	}
+}
+
+// TestConfig needs no server.
+func TestConfig(t *testing.T) {
+	t.Parallel()
+	if _, err := pgstore.New(ctx, pgstore.Config{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("New without a pool = %v, want ErrInvalid", err)
+	}
+	pool := closedPortPool(t)
+	for _, schema := range []string{strings.Repeat("s", 64), "a\x00b"} {
+		if _, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true}); !errors.Is(err, idem.ErrInvalid) {
+			t.Fatalf("New with schema %q = %v, want ErrInvalid", schema, err)
+		}
+	}
+	if _, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: strings.Repeat("s", 63), NoMigrate: true}); err != nil {
+		t.Fatalf("New with a 63-byte schema: %v", err)
+	}
+}
