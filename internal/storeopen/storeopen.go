@@ -1,17 +1,28 @@
 // Package storeopen turns a store DSN into an [idem.Store]. It is the one
 // place that knows every store.
 //
-//	sqlite:PATH            the embedded default (sqlite:idem.db)
-//	memory:                in memory; forgotten on exit (tests and demos)
+//	sqlite:PATH                          the embedded default (sqlite:idem.db)
+//	postgres://user@host:5432/db?…       PostgreSQL; ?idem_schema=NAME picks the schema (default idem)
+//	redis://host:6379/0                  Redis; ?idem_prefix=NAME picks the key prefix (default idem)
+//	redis+cluster://host:7000?addr=host:7001&…   Redis Cluster (go-redis cluster URL)
+//	memory:                              in memory; forgotten on exit (tests and demos)
+//
+// PostgreSQL and Redis DSNs take their drivers' own options too.
 package storeopen
 
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/pgstore"
+	"github.com/idemhq/idem/store/redisstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
 
@@ -43,6 +54,76 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 			return nil, err
 		}
 		return &Opened{Store: s, Close: s.Close}, nil
+	case "postgres", "postgresql":
+		return openPostgres(ctx, dsn)
+	case "redis", "rediss", "redis+cluster", "rediss+cluster":
+		return openRedis(ctx, dsn, scheme)
 	}
-	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://… or memory:", idem.ErrInvalid, dsn, scheme)
+	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
+}
+
+// takeOption removes idem's own query option from a DSN, so the driver
+// never sees it.
+func takeOption(dsn, name string) (string, string, error) {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		return "", "", fmt.Errorf("%w: store DSN: %v", idem.ErrInvalid, err)
+	}
+	q := u.Query()
+	v := q.Get(name)
+	q.Del(name)
+	u.RawQuery = q.Encode()
+	return u.String(), v, nil
+}
+
+func openPostgres(ctx context.Context, dsn string) (*Opened, error) {
+	dsn, schema, err := takeOption(dsn, "idem_schema")
+	if err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+	}
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return &Opened{Store: s, Close: func() error { pool.Close(); return nil }}, nil
+}
+
+func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
+	dsn, prefix, err := takeOption(dsn, "idem_prefix")
+	if err != nil {
+		return nil, err
+	}
+	var client redis.UniversalClient
+	if base, ok := strings.CutSuffix(scheme, "+cluster"); ok {
+		opts, err := redis.ParseClusterURL(base + strings.TrimPrefix(dsn, scheme))
+		if err != nil {
+			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+		}
+		client = redis.NewClusterClient(opts)
+	} else {
+		opts, err := redis.ParseURL(dsn)
+		if err != nil {
+			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+		}
+		client = redis.NewClient(opts)
+	}
+	s, err := redisstore.New(redisstore.Config{Client: client, Prefix: prefix})
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	return &Opened{Store: s, Close: client.Close}, nil
+}
+
+// redact hides a DSN's password in messages.
+func redact(dsn string) string {
+	if u, err := url.Parse(dsn); err == nil && u.User != nil {
+		return u.Redacted()
+	}
+	return dsn
 }
