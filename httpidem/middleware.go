@@ -57,6 +57,9 @@ const (
 // DefaultMethods are the methods covered when [Config.Methods] is empty.
 var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
 
+// InProgressRetryAfter is the Retry-After of a 409 in-progress answer.
+const InProgressRetryAfter = time.Second
+
 // HeaderExpires tells the client until when the outcome of the request that
 // created a record will be replayed (an HTTP-date): the retention policy the
 // IETF draft asks servers to publish.
@@ -289,8 +292,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			Detail:  fmt.Sprintf("this key was first used with a request that differs in %s", strings.Join(out.Diff, ", ")),
 			Differs: out.Diff}).Write(w)
 	case idem.InFlight:
+		// The lease's end is only an upper bound on when the first request
+		// finishes; most finish far sooner, so ask for a prompt retry.
 		(&Problem{Type: ProblemInProgress, Title: "A request with this Idempotency-Key is in progress", Status: http.StatusConflict,
-			Detail: "retry after the first request finishes", RetryAfter: out.RetryAfter}).Write(w)
+			Detail: "retry after the first request finishes", RetryAfter: min(out.RetryAfter, InProgressRetryAfter)}).Write(w)
 	case idem.Uncertain:
 		(&Problem{Type: ProblemUncertain, Title: "The outcome of the first request with this Idempotency-Key is unknown", Status: http.StatusConflict,
 			Detail: "it may or may not have taken effect; it will not be run again until that is resolved"}).Write(w)

@@ -222,8 +222,8 @@ func TestConcurrentDuplicateConflicts(t *testing.T) {
 		<-g.started
 		r := send(t, srv, "POST", "/pay", "k", "x")
 		wantProblem(t, r, 409, httpidem.ProblemInProgress)
-		if r.header.Get("Retry-After") == "" {
-			t.Fatal("409 in progress without Retry-After")
+		if r.header.Get("Retry-After") != "1" {
+			t.Fatalf("409 in progress with Retry-After %q, want 1", r.header.Get("Retry-After"))
 		}
 		close(g.release)
 		if got := <-first; got.status != 201 {
