@@ -9,10 +9,16 @@ import (
 // Notifier wakes callers waiting for a record to be settled, across
 // instances (PostgreSQL LISTEN/NOTIFY, Redis pub/sub). The engine always
 // wakes waiters in its own process; a Notifier adds the others. Delivery may
-// be lost: waiters also poll, so a Notifier only makes them faster.
+// be lost and wake-ups may be spurious: a value on the channel only means
+// "look again", and waiters also poll, so a Notifier only makes them faster.
+// The caller that made a Notifier owns it and closes it; the engine does not.
+//
+// With a Notifier, every settled record costs one more store round trip,
+// made in the background off the request's path.
 type Notifier interface {
 	// Subscribe returns a channel that receives a value after a later
 	// Notify for scope and key, and a function that ends the subscription.
+	// It must never block a Notify.
 	Subscribe(scope, key string) (ch <-chan struct{}, cancel func())
 	// Notify tells every subscriber of scope and key, in every process,
 	// that the record was settled.
@@ -102,11 +108,20 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 	}
 }
 
-// notify wakes this process's waiters and, through the Notifier, the others'.
-// A failure to notify only delays waiters until they poll, so it is ignored.
+// notifyTimeout bounds a cross-instance notification.
+const notifyTimeout = 5 * time.Second
+
+// notify wakes this process's waiters at once and, through the Notifier, the
+// others' in the background: the outcome is already stored, so neither a
+// slow Notifier nor a client that went away may hold the caller up. A failure
+// to notify only delays waiters until they poll, so it is not reported.
 func (e *Engine) notify(ctx context.Context, scope, key string) {
 	e.local.Notify(ctx, scope, key)
 	if e.notifier != nil {
-		e.notifier.Notify(ctx, scope, key)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
+		go func() {
+			defer cancel()
+			e.notifier.Notify(ctx, scope, key)
+		}()
 	}
 }

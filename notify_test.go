@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -10,14 +11,41 @@ import (
 )
 
 // sharedNotifier stands in for PostgreSQL LISTEN/NOTIFY between engines:
-// both engines hold the same one.
-type sharedNotifier struct{ ch chan struct{} }
+// both engines hold the same one. It keeps the Notifier contract: per-record
+// subscribers, a Notify that never blocks, a cancel that unsubscribes.
+type sharedNotifier struct {
+	mu   sync.Mutex
+	subs map[string]map[chan struct{}]bool
+}
 
 func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.ch, func() {}
+	ch := make(chan struct{}, 1)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.subs == nil {
+		n.subs = map[string]map[chan struct{}]bool{}
+	}
+	id := scope + "\x00" + key
+	if n.subs[id] == nil {
+		n.subs[id] = map[chan struct{}]bool{}
+	}
+	n.subs[id][ch] = true
+	return ch, func() {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		delete(n.subs[id], ch)
+	}
 }
+
 func (n *sharedNotifier) Notify(ctx context.Context, scope, key string) error {
-	n.ch <- struct{}{}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for ch := range n.subs[scope+"\x00"+key] {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
 	return nil
 }
 
@@ -82,7 +110,7 @@ func TestAwaitGivesUp(t *testing.T) {
 
 func TestAwaitWokenByOtherInstance(t *testing.T) {
 	store := memstore.New()
-	n := &sharedNotifier{ch: make(chan struct{}, 1)}
+	n := &sharedNotifier{}
 	first, l := awaitSetup(t, idem.Config{Store: store, Notifier: n})
 	second, err := idem.New(idem.Config{Store: store, Notifier: n, Poll: time.Hour})
 	if err != nil {

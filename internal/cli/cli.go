@@ -210,7 +210,14 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		return 1
 	}
 	defer opened.Close()
-	eng, err := idem.New(idem.Config{Store: opened.Store, Notifier: opened.Notifier, Lease: cfg.Lease, Retention: cfg.Retention})
+	var notifier idem.Notifier
+	if opened.NewNotifier != nil && cfg.Waits() {
+		if notifier, err = opened.NewNotifier(ctx); err != nil {
+			fmt.Fprintln(stderr, "idem proxy: starting cross-instance wake-ups:", err)
+			return 1
+		}
+	}
+	eng, err := idem.New(idem.Config{Store: opened.Store, Notifier: notifier, Lease: cfg.Lease, Retention: cfg.Retention})
 	if err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 2

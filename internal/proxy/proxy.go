@@ -178,6 +178,20 @@ func (r Rules) middleware(eng *idem.Engine, log *slog.Logger) (*httpidem.Middlew
 	return httpidem.New(cfg)
 }
 
+// Waits reports whether any rule lets duplicates wait for the first request,
+// which is when cross-instance wake-ups are worth their cost.
+func (cfg Config) Waits() bool {
+	if cfg.Defaults.Wait > 0 {
+		return true
+	}
+	for _, r := range cfg.Routes {
+		if r.Wait > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // Validate checks what can be checked without opening anything.
 func (cfg Config) Validate() error {
 	_, err := cfg.upstreamURL()

@@ -32,10 +32,26 @@ const Default = "sqlite:idem.db"
 // Opened is an open store with what else it offers.
 type Opened struct {
 	Store idem.Store
-	// Notifier wakes waiters across instances, when the store has one.
-	Notifier idem.Notifier
+	// NewNotifier starts a notifier that wakes waiters across instances
+	// (PostgreSQL LISTEN/NOTIFY, Redis pub/sub); nil for stores that have
+	// none. Close closes it too. It costs a round trip per settled record,
+	// so start it only where waiting is configured.
+	NewNotifier func(ctx context.Context) (idem.Notifier, error)
 	// Close releases the store's connections or file.
 	Close func() error
+}
+
+// closer closes a notifier, if one was started, before the store.
+type closer struct {
+	notifier interface{ Close() error }
+	store    func() error
+}
+
+func (c *closer) close() error {
+	if c.notifier != nil {
+		c.notifier.Close()
+	}
+	return c.store()
 }
 
 // Open opens the store named by dsn.
@@ -90,7 +106,14 @@ func openPostgres(ctx context.Context, dsn string) (*Opened, error) {
 		pool.Close()
 		return nil, err
 	}
-	return &Opened{Store: s, Close: func() error { pool.Close(); return nil }}, nil
+	c := &closer{store: func() error { pool.Close(); return nil }}
+	return &Opened{Store: s, Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
+		n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool})
+		if err == nil {
+			c.notifier = n
+		}
+		return n, err
+	}}, nil
 }
 
 func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
@@ -117,7 +140,14 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 		client.Close()
 		return nil, err
 	}
-	return &Opened{Store: s, Close: client.Close}, nil
+	c := &closer{store: client.Close}
+	return &Opened{Store: s, Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
+		n, err := redisstore.NewNotifier(ctx, redisstore.NotifierConfig{Client: client})
+		if err == nil {
+			c.notifier = n
+		}
+		return n, err
+	}}, nil
 }
 
 // redact hides a DSN's password in messages.

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/storeopen"
@@ -32,6 +33,22 @@ func roundTrip(t *testing.T, dsn string) {
 	}
 	if err := e.Release(ctx, out.Lease); err != nil {
 		t.Fatal(err)
+	}
+	if o.NewNotifier != nil {
+		n, err := o.NewNotifier(ctx)
+		if err != nil {
+			t.Fatalf("%s: NewNotifier: %v", dsn, err)
+		}
+		ch, cancel := n.Subscribe("", "k")
+		defer cancel()
+		if err := n.Notify(ctx, "", "k"); err != nil {
+			t.Fatal(err)
+		}
+		select { // the notifier hears itself
+		case <-ch:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: the notifier did not deliver its own notification", dsn)
+		}
 	}
 }
 

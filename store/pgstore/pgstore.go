@@ -1,6 +1,8 @@
 // Package pgstore is an [idem.Store] on PostgreSQL, through pgx v5 and a
 // [pgxpool.Pool], for many instances sharing one database, and for handlers
 // whose own writes must commit together with the record ([Store.FinishTx]).
+// Its [Notifier] wakes callers waiting in [idem.Engine.Await] on other
+// instances through LISTEN/NOTIFY as soon as a record is settled.
 //
 // # Schema
 //

@@ -1,5 +1,7 @@
 // Package redisstore is an [idem.Store] on Redis (6.2 or later), standalone or
-// Redis Cluster, through go-redis v9.
+// Redis Cluster, through go-redis v9. Its [Notifier] wakes callers waiting in
+// [idem.Engine.Await] on other instances through pub/sub as soon as a record
+// is settled.
 //
 // # Layout
 //

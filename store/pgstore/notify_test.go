@@ -1,0 +1,450 @@
+package pgstore_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/pgstore"
+)
+
+// signalWait bounds every wait for a notification. It is only reached when
+// the test fails.
+const signalWait = 10 * time.Second
+
+// newChannel returns a notification channel no other test uses.
+func newChannel(t *testing.T) string {
+	t.Helper()
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	return "idem_test_" + hex.EncodeToString(b[:])
+}
+
+// newNotifier returns a notifier on the shared pool, closed when the test
+// ends.
+func newNotifier(t *testing.T, channel string) *pgstore.Notifier {
+	t.Helper()
+	n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: sharedPool(t), Channel: channel})
+	if err != nil {
+		t.Fatalf("NewNotifier: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := n.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return n
+}
+
+// mustNotify notifies scope and key through n.
+func mustNotify(t *testing.T, n *pgstore.Notifier, scope, key string) {
+	t.Helper()
+	if err := n.Notify(ctx, scope, key); err != nil {
+		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
+	}
+}
+
+// woken waits for a value on ch, and fails the test if none comes in time.
+func woken(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(signalWait):
+		t.Fatalf("%s was not woken within %v", what, signalWait)
+	}
+}
+
+// pending reports whether a value waits on ch, without waiting.
+func pending(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// listeners returns the backends that listen on channel (by their last
+// statement, which is LISTEN until the listener's first idle check, 30 s on).
+func listeners(t *testing.T, channel string) []int32 {
+	t.Helper()
+	rows, err := sharedPool(t).Query(ctx, "SELECT pid FROM pg_stat_activity WHERE query = $1",
+		"LISTEN "+pgx.Identifier{channel}.Sanitize())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pids
+}
+
+// awaitListeners waits until exactly want sessions listen on channel, none of
+// them the session skip, and returns them.
+func awaitListeners(t *testing.T, channel string, want int, skip int32) []int32 {
+	t.Helper()
+	deadline := time.Now().Add(signalWait)
+	for {
+		pids := listeners(t, channel)
+		if len(pids) == want && !slices.Contains(pids, skip) {
+			return pids
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sessions listening on the channel: %v, want %d other than %d", pids, want, skip)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestNotifierConfig needs no server.
+func TestNotifierConfig(t *testing.T) {
+	t.Parallel()
+	if _, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("NewNotifier without a pool = %v, want ErrInvalid", err)
+	}
+	pool := closedPortPool(t)
+	for _, channel := range []string{strings.Repeat("c", 64), "a\x00b"} {
+		if _, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool, Channel: channel}); !errors.Is(err, idem.ErrInvalid) {
+			t.Fatalf("NewNotifier with channel %q = %v, want ErrInvalid", channel, err)
+		}
+	}
+	if _, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool}); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("NewNotifier on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	_, err := pgstore.NewNotifier(canceled, pgstore.NotifierConfig{Pool: pool})
+	if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("NewNotifier with a canceled context = %v, want context.Canceled and not ErrUnavailable", err)
+	}
+}
+
+// TestNotifierWakesOtherInstance: a notification sent by one instance right
+// after another's NewNotifier returned wakes the other's subscriber (and the
+// sender's own).
+func TestNotifierWakesOtherInstance(t *testing.T) {
+	t.Parallel()
+	channel := newChannel(t)
+	a := newNotifier(t, channel)
+	b := newNotifier(t, channel) // listens once NewNotifier returns
+	onB, cancelB := b.Subscribe("s", "k")
+	defer cancelB()
+	onA, cancelA := a.Subscribe("s", "k")
+	defer cancelA()
+	mustNotify(t, a, "s", "k")
+	woken(t, onB, "the other instance's subscriber")
+	woken(t, onA, "the sending instance's own subscriber")
+}
+
+// TestNotifierKeepsRecordsApart: a notification for another key, or for the
+// same key in another scope, does not wake a subscriber. Notifications sent
+// one after another arrive in that order, so once the marker's has arrived
+// the wrong ones have been handled.
+func TestNotifierKeepsRecordsApart(t *testing.T) {
+	t.Parallel()
+	channel := newChannel(t)
+	a := newNotifier(t, channel)
+	b := newNotifier(t, channel)
+	right, c1 := b.Subscribe("s", "k")
+	defer c1()
+	otherKey, c2 := b.Subscribe("s", "k2")
+	defer c2()
+	otherScope, c3 := b.Subscribe("s2", "k")
+	defer c3()
+	marker, c4 := b.Subscribe("s", "marker")
+	defer c4()
+
+	mustNotify(t, a, "s", "k2")
+	mustNotify(t, a, "s2", "k")
+	mustNotify(t, a, "s", "marker")
+	woken(t, marker, "the marker's subscriber")
+	if !pending(otherKey) || !pending(otherScope) {
+		t.Fatal("the notifications sent before the marker's were not delivered before it")
+	}
+	if pending(right) {
+		t.Fatal("a notification for another key or scope woke the subscriber")
+	}
+	mustNotify(t, a, "s", "k")
+	woken(t, right, "the subscriber")
+	if pending(right) || pending(otherKey) || pending(otherScope) || pending(marker) {
+		t.Fatal("a subscriber was woken twice, or by another record's notification")
+	}
+}
+
+// TestNotifierCancel: a cancelled subscription is no longer woken, and the
+// others on the same record still are.
+func TestNotifierCancel(t *testing.T) {
+	t.Parallel()
+	n := newNotifier(t, newChannel(t))
+	gone, cancelGone := n.Subscribe("s", "k")
+	kept, cancelKept := n.Subscribe("s", "k")
+	defer cancelKept()
+	cancelGone()
+	cancelGone() // twice is harmless
+	mustNotify(t, n, "s", "k")
+	woken(t, kept, "the remaining subscriber")
+	if pending(gone) {
+		t.Fatal("a cancelled subscription was woken")
+	}
+}
+
+// TestNotifierPayloadIsAHash: what another session sees on the channel is a
+// hash of the scope and key, not the key.
+func TestNotifierPayloadIsAHash(t *testing.T) {
+	t.Parallel()
+	channel := newChannel(t)
+	n := newNotifier(t, channel)
+	conn, err := pgx.Connect(ctx, databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	mustNotify(t, n, "tenant-42", "order-7")
+	wait, cancel := context.WithTimeout(ctx, signalWait)
+	defer cancel()
+	note, err := conn.WaitForNotification(wait)
+	if err != nil {
+		t.Fatalf("waiting for the notification: %v", err)
+	}
+	// The same value as in redisstore's test: the two must agree.
+	const want = "e61c97590bef91c078be53cfecf177c9" // hex(SHA-256("tenant-42\x00order-7")[:16])
+	if note.Channel != channel || note.Payload != want {
+		t.Fatalf("notification on %q with payload %q, want %q on %q", note.Channel, note.Payload, want, channel)
+	}
+}
+
+// acquireSignal reports each Acquire after it returns.
+type acquireSignal struct {
+	idem.Store
+	acquired chan idem.Record
+}
+
+func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	r, err := s.Store.Acquire(ctx, p)
+	s.acquired <- r
+	return r, err
+}
+
+// TestNotifierWakesAwaitOnOtherEngine: two engines on one schema, each with
+// its own notifier; a caller waiting in one engine's Await gets the replay
+// as soon as the other engine completes the record. Neither polls nor lets
+// the lease run out within the test, so only the notification can wake it.
+func TestNotifierWakesAwaitOnOtherEngine(t *testing.T) {
+	t.Parallel()
+	store, _ := newStore(t)
+	channel := newChannel(t)
+	first, err := idem.New(idem.Config{Store: store, Notifier: newNotifier(t, channel), Poll: time.Hour, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig := &acquireSignal{Store: store, acquired: make(chan idem.Record, 10)}
+	second, err := idem.New(idem.Config{Store: sig, Notifier: newNotifier(t, channel), Poll: time.Hour, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a")}
+	out, err := first.Begin(ctx, req)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("first Begin = %v, %v; want execute", out.Decision, err)
+	}
+
+	type result struct {
+		out idem.Outcome
+		err error
+	}
+	waited := make(chan result, 1)
+	go func() {
+		out, err := second.Await(ctx, req, time.Minute)
+		waited <- result{out, err}
+	}()
+	select {
+	case r := <-sig.acquired: // the waiter saw the record in flight and now waits
+		if r.State != idem.StateInProgress {
+			t.Fatalf("the waiter found the record %s", r.State)
+		}
+	case <-time.After(signalWait):
+		t.Fatal("the waiter never looked the record up")
+	}
+	if err := first.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("done")}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-waited:
+		if r.err != nil || r.out.Decision != idem.Replay || string(r.out.Record.Response.Body) != "done" {
+			t.Fatalf("the waiter on the other engine got %v, %v; want the replay", r.out.Decision, r.err)
+		}
+	case <-time.After(signalWait):
+		t.Fatal("the waiter on the other engine was not woken by the completion")
+	}
+}
+
+// started counts the goroutines that the calling goroutine started in
+// function fn and that are still running.
+func started(fn string) int {
+	buf := make([]byte, 64)
+	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
+	for {
+		buf = make([]byte, 2*len(buf))
+		if n := runtime.Stack(buf, true); n < len(buf) {
+			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
+		}
+	}
+}
+
+// awaitStarted waits until want goroutines that the calling goroutine
+// started in fn are still running (one that has just ended may still be
+// returning).
+func awaitStarted(t *testing.T, fn string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(signalWait); started(fn) != want; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines started in %s still run, want %d", started(fn), fn, want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestNotifierClose: Close ends the listener's goroutine, closes its
+// connection and may be called again; afterwards Subscribe still works
+// (nothing wakes it) and Notify still sends through the pool.
+func TestNotifierClose(t *testing.T) {
+	t.Parallel()
+	const fn = "github.com/idemhq/idem/store/pgstore.NewNotifier"
+	channel := newChannel(t)
+	other := newNotifier(t, channel)
+	n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: sharedPool(t), Channel: channel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pids := listeners(t, channel); len(pids) != 2 {
+		t.Fatalf("%d sessions listen on the channel, want 2", len(pids))
+	}
+	if g := started(fn); g != 2 {
+		t.Fatalf("%d listener goroutines, want 2", g)
+	}
+	if err := n.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	awaitStarted(t, fn, 1)
+	if err := n.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	awaitListeners(t, channel, 1, 0) // the closed notifier's session has ended
+	ch, cancel := n.Subscribe("s", "k")
+	defer cancel()
+	onOther, cancelOther := other.Subscribe("s", "k")
+	defer cancelOther()
+	if err := n.Notify(ctx, "s", "k"); err != nil {
+		t.Fatalf("Notify after Close: %v", err)
+	}
+	woken(t, onOther, "the open notifier's subscriber")
+	if pending(ch) {
+		t.Fatal("the closed notifier woke a subscriber")
+	}
+}
+
+// TestNotifierReconnects: when the listening session is killed, the notifier
+// connects again, wakes every subscriber once (notifications may have been
+// lost meanwhile) and delivers notifications again; Close also ends a
+// notifier that is reconnecting.
+func TestNotifierReconnects(t *testing.T) {
+	t.Parallel()
+	channel := newChannel(t)
+	n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: sharedPool(t), Channel: channel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiter, cancelWaiter := n.Subscribe("s", "waiting")
+	defer cancelWaiter()
+	kill := func(pid int32) {
+		t.Helper()
+		var ok bool
+		if err := sharedPool(t).QueryRow(ctx, "SELECT pg_terminate_backend($1)", pid).Scan(&ok); err != nil || !ok {
+			t.Fatalf("terminating the listener %d: %v, %v", pid, ok, err)
+		}
+	}
+
+	killed := awaitListeners(t, channel, 1, 0)[0]
+	kill(killed)
+	woken(t, waiter, "a subscriber, once the listener was back,")
+	again := awaitListeners(t, channel, 1, killed)[0]
+	ch, cancel := n.Subscribe("s", "k")
+	defer cancel()
+	mustNotify(t, n, "s", "k")
+	woken(t, ch, "a subscriber after the reconnection")
+
+	kill(again)
+	closed := make(chan error, 1)
+	go func() { closed <- n.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	case <-time.After(signalWait):
+		t.Fatal("Close did not return while the notifier was reconnecting")
+	}
+}
+
+// ExampleNewNotifier gives an engine a notifier, so that a duplicate request
+// waiting in Await is answered as soon as the instance running the first one
+// settles it, rather than at its next poll. Every instance does the same with
+// the same channel. It needs a server, so it is compiled, not run.
+func ExampleNewNotifier() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("IDEM_TEST_DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	store, err := pgstore.New(ctx, pgstore.Config{Pool: pool})
+	if err != nil {
+		log.Fatal(err)
+	}
+	notifier, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool}) // LISTENs on "idem_settled"
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer notifier.Close()
+	eng, err := idem.New(idem.Config{Store: store, Notifier: notifier})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Complete, Release and MarkUnknown notify by themselves; after a
+	// store.FinishTx transaction commits, call eng.Settled(ctx, scope, key).
+
+	out, err := eng.Await(ctx, idem.BeginParams{
+		Key:         "order-7",
+		Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/orders", Body: []byte(`{"sku":"a1"}`)}),
+	}, 10*time.Second)
+	if err != nil {
+		log.Fatal(err)
+	}
+	switch out.Decision {
+	case idem.Execute:
+		// ... run the work, then eng.Complete ...
+	case idem.Replay:
+		fmt.Println("replayed:", out.Record.Response.Status)
+	default:
+		fmt.Println(out.Decision) // still in flight after 10 s, a mismatch, or uncertain
+	}
+}

@@ -1,0 +1,455 @@
+package redisstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/redis/go-redis/v9"
+)
+
+// signalWait bounds every wait for a notification. It is only reached when
+// the test fails.
+const signalWait = 10 * time.Second
+
+// newChannel returns a pub/sub channel no other test uses.
+func newChannel(t *testing.T) string { return randomPrefix(t) + ":settled" }
+
+// newNotifier returns a notifier on client, closed when the test ends.
+func newNotifier(t *testing.T, client redis.UniversalClient, channel string) *Notifier {
+	t.Helper()
+	n, err := NewNotifier(context.Background(), NotifierConfig{Client: client, Channel: channel})
+	if err != nil {
+		t.Fatalf("NewNotifier: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := n.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return n
+}
+
+// mustNotify notifies scope and key through n.
+func mustNotify(t *testing.T, n *Notifier, scope, key string) {
+	t.Helper()
+	if err := n.Notify(context.Background(), scope, key); err != nil {
+		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
+	}
+}
+
+// woken waits for a value on ch, and fails the test if none comes in time.
+func woken(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(signalWait):
+		t.Fatalf("%s was not woken within %v", what, signalWait)
+	}
+}
+
+// ready reports whether a value waits on ch, without waiting.
+func ready(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// TestNotifyPayload: the payload is the hex of the first 16 bytes of
+// SHA-256(scope, NUL, key), the same value as in pgstore's test.
+func TestNotifyPayload(t *testing.T) {
+	const want = "e61c97590bef91c078be53cfecf177c9"
+	if got := notifyPayload("tenant-42", "order-7"); got != want {
+		t.Fatalf("notifyPayload = %q, want %q", got, want)
+	}
+	if notifyPayload("s", "k") == notifyPayload("s", "k2") || notifyPayload("s", "k") == notifyPayload("s2", "k") ||
+		notifyPayload("a", "bc") == notifyPayload("ab", "c") {
+		t.Fatal("two records share a payload")
+	}
+}
+
+// TestNotifierConfig needs no server.
+func TestNotifierConfig(t *testing.T) {
+	if _, err := NewNotifier(context.Background(), NotifierConfig{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("NewNotifier without a client = %v, want ErrInvalid", err)
+	}
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { client.Close() })
+	if _, err := NewNotifier(context.Background(), NotifierConfig{Client: client}); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("NewNotifier on an unreachable server = %v, want ErrUnavailable", err)
+	}
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := NewNotifier(canceled, NotifierConfig{Client: client})
+	if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("NewNotifier with a canceled context = %v, want context.Canceled and not ErrUnavailable", err)
+	}
+}
+
+// TestNotifierWakesOtherInstance: a notification published by one instance
+// right after another's NewNotifier returned wakes the other's subscriber
+// (and the sender's own).
+func TestNotifierWakesOtherInstance(t *testing.T) {
+	t.Parallel()
+	client := testClient(t)
+	channel := newChannel(t)
+	a := newNotifier(t, client, channel)
+	b := newNotifier(t, client, channel) // subscribed once NewNotifier returns
+	onB, cancelB := b.Subscribe("s", "k")
+	defer cancelB()
+	onA, cancelA := a.Subscribe("s", "k")
+	defer cancelA()
+	mustNotify(t, a, "s", "k")
+	woken(t, onB, "the other instance's subscriber")
+	woken(t, onA, "the sending instance's own subscriber")
+}
+
+// TestNotifierKeepsRecordsApart: a notification for another key, or for the
+// same key in another scope, does not wake a subscriber. Messages published
+// one after another arrive in that order, so once the marker's has arrived
+// the wrong ones have been handled.
+func TestNotifierKeepsRecordsApart(t *testing.T) {
+	t.Parallel()
+	client := testClient(t)
+	channel := newChannel(t)
+	a := newNotifier(t, client, channel)
+	b := newNotifier(t, client, channel)
+	right, c1 := b.Subscribe("s", "k")
+	defer c1()
+	otherKey, c2 := b.Subscribe("s", "k2")
+	defer c2()
+	otherScope, c3 := b.Subscribe("s2", "k")
+	defer c3()
+	marker, c4 := b.Subscribe("s", "marker")
+	defer c4()
+
+	mustNotify(t, a, "s", "k2")
+	mustNotify(t, a, "s2", "k")
+	mustNotify(t, a, "s", "marker")
+	woken(t, marker, "the marker's subscriber")
+	if !ready(otherKey) || !ready(otherScope) {
+		t.Fatal("the notifications sent before the marker's were not delivered before it")
+	}
+	if ready(right) {
+		t.Fatal("a notification for another key or scope woke the subscriber")
+	}
+	mustNotify(t, a, "s", "k")
+	woken(t, right, "the subscriber")
+	if ready(right) || ready(otherKey) || ready(otherScope) || ready(marker) {
+		t.Fatal("a subscriber was woken twice, or by another record's notification")
+	}
+}
+
+// TestNotifierCancel: a cancelled subscription is no longer woken, and the
+// others on the same record still are.
+func TestNotifierCancel(t *testing.T) {
+	t.Parallel()
+	n := newNotifier(t, testClient(t), newChannel(t))
+	gone, cancelGone := n.Subscribe("s", "k")
+	kept, cancelKept := n.Subscribe("s", "k")
+	defer cancelKept()
+	cancelGone()
+	cancelGone() // twice is harmless
+	mustNotify(t, n, "s", "k")
+	woken(t, kept, "the remaining subscriber")
+	if ready(gone) {
+		t.Fatal("a cancelled subscription was woken")
+	}
+}
+
+// TestNotifierPayloadIsAHash: what another client sees on the channel is a
+// hash of the scope and key, not the key.
+func TestNotifierPayloadIsAHash(t *testing.T) {
+	t.Parallel()
+	client := testClient(t)
+	channel := newChannel(t)
+	n := newNotifier(t, client, channel)
+	ctx, cancel := context.WithTimeout(context.Background(), signalWait)
+	defer cancel()
+	raw := client.Subscribe(ctx, channel)
+	defer raw.Close()
+	if _, err := raw.Receive(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mustNotify(t, n, "tenant-42", "order-7")
+	msg, err := raw.ReceiveMessage(ctx)
+	if err != nil {
+		t.Fatalf("waiting for the message: %v", err)
+	}
+	if want := notifyPayload("tenant-42", "order-7"); msg.Channel != channel || msg.Payload != want {
+		t.Fatalf("message on %q with payload %q, want %q on %q", msg.Channel, msg.Payload, want, channel)
+	}
+}
+
+// acquireSignal reports each Acquire after it returns.
+type acquireSignal struct {
+	idem.Store
+	acquired chan idem.Record
+}
+
+func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	r, err := s.Store.Acquire(ctx, p)
+	s.acquired <- r
+	return r, err
+}
+
+// TestNotifierWakesAwaitOnOtherEngine: two engines on one prefix, each with
+// its own notifier; a caller waiting in one engine's Await gets the replay as
+// soon as the other engine completes the record. Neither polls nor lets the
+// lease run out within the test, so only the notification can wake it.
+func TestNotifierWakesAwaitOnOtherEngine(t *testing.T) {
+	t.Parallel()
+	client := testClient(t)
+	store := newTestStore(t, client, 0)
+	channel := newChannel(t)
+	first, err := idem.New(idem.Config{Store: store, Notifier: newNotifier(t, client, channel), Poll: time.Hour, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig := &acquireSignal{Store: store, acquired: make(chan idem.Record, 10)}
+	second, err := idem.New(idem.Config{Store: sig, Notifier: newNotifier(t, client, channel), Poll: time.Hour, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a")}
+	out, err := first.Begin(ctx, req)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("first Begin = %v, %v; want execute", out.Decision, err)
+	}
+
+	type result struct {
+		out idem.Outcome
+		err error
+	}
+	waited := make(chan result, 1)
+	go func() {
+		out, err := second.Await(ctx, req, time.Minute)
+		waited <- result{out, err}
+	}()
+	select {
+	case r := <-sig.acquired: // the waiter saw the record in flight and now waits
+		if r.State != idem.StateInProgress {
+			t.Fatalf("the waiter found the record %s", r.State)
+		}
+	case <-time.After(signalWait):
+		t.Fatal("the waiter never looked the record up")
+	}
+	if err := first.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("done")}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-waited:
+		if r.err != nil || r.out.Decision != idem.Replay || string(r.out.Record.Response.Body) != "done" {
+			t.Fatalf("the waiter on the other engine got %v, %v; want the replay", r.out.Decision, r.err)
+		}
+	case <-time.After(signalWait):
+		t.Fatal("the waiter on the other engine was not woken by the completion")
+	}
+}
+
+// started counts the goroutines that the calling goroutine started in
+// function fn and that are still running.
+func started(fn string) int {
+	buf := make([]byte, 64)
+	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
+	for {
+		buf = make([]byte, 2*len(buf))
+		if n := runtime.Stack(buf, true); n < len(buf) {
+			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
+		}
+	}
+}
+
+// awaitStarted waits until want goroutines that the calling goroutine
+// started in fn are still running (go-redis ends its own asynchronously).
+func awaitStarted(t *testing.T, fn string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(signalWait); started(fn) != want; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines started in %s still run, want %d", started(fn), fn, want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestNotifierClose: Close ends the notifier's goroutine, and go-redis's for
+// its subscription, and may be called again; afterwards Subscribe still works
+// (nothing wakes it) and Notify still publishes through the client.
+func TestNotifierClose(t *testing.T) {
+	t.Parallel()
+	fns := []string{
+		"github.com/idemhq/idem/store/redisstore.NewNotifier",     // run
+		"github.com/redis/go-redis/v9.(*channel).initAllChan",     // the subscription's reader
+		"github.com/redis/go-redis/v9.(*channel).initHealthCheck", // its health check
+	}
+	client := testClient(t)
+	channel := newChannel(t)
+	other := newNotifier(t, client, channel)
+	n, err := NewNotifier(context.Background(), NotifierConfig{Client: client, Channel: channel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, fn := range fns {
+		if g := started(fn); g != 2 {
+			t.Fatalf("%d goroutines started in %s, want 2", g, fn)
+		}
+	}
+	if err := n.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	for _, fn := range fns {
+		awaitStarted(t, fn, 1)
+	}
+	if err := n.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	ch, cancel := n.Subscribe("s", "k")
+	defer cancel()
+	onOther, cancelOther := other.Subscribe("s", "k")
+	defer cancelOther()
+	if err := n.Notify(context.Background(), "s", "k"); err != nil {
+		t.Fatalf("Notify after Close: %v", err)
+	}
+	woken(t, onOther, "the open notifier's subscriber")
+	if ready(ch) {
+		t.Fatal("the closed notifier woke a subscriber")
+	}
+}
+
+// pubsubClientID returns the id Redis gives the one pub/sub connection named
+// name, waiting for it to appear.
+func pubsubClientID(t *testing.T, name string) string {
+	t.Helper()
+	deadline := time.Now().Add(signalWait)
+	for {
+		list, err := testClient(t).ClientList(context.Background()).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, line := range strings.Split(list, "\n") {
+			fields := map[string]string{}
+			for _, f := range strings.Fields(line) {
+				if k, v, ok := strings.Cut(f, "="); ok {
+					fields[k] = v
+				}
+			}
+			if fields["name"] == name && fields["sub"] == "1" {
+				ids = append(ids, fields["id"])
+			}
+		}
+		if len(ids) == 1 {
+			return ids[0]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pub/sub connections named %s, want 1", len(ids), name)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestNotifierResubscribes: when its connection is killed, go-redis
+// subscribes again; the notifier then wakes every subscriber once (messages
+// may have been lost meanwhile) and delivers notifications again.
+func TestNotifierResubscribes(t *testing.T) {
+	t.Parallel()
+	opt := testOptions(t)
+	opt.ClientName = randomPrefix(t) // to find the notifier's connection
+	client := redis.NewClient(opt)
+	t.Cleanup(func() { client.Close() })
+	n := newNotifier(t, client, newChannel(t))
+	waiter, cancelWaiter := n.Subscribe("s", "waiting")
+	defer cancelWaiter()
+
+	killed := pubsubClientID(t, opt.ClientName)
+	if err := testClient(t).Do(context.Background(), "CLIENT", "KILL", "ID", killed).Err(); err != nil {
+		t.Fatalf("killing the subscription's connection: %v", err)
+	}
+	woken(t, waiter, "a subscriber, once the subscription was back,")
+	if id := pubsubClientID(t, opt.ClientName); id == killed {
+		t.Fatal("the killed connection is still subscribed")
+	}
+	ch, cancel := n.Subscribe("s", "k")
+	defer cancel()
+	mustNotify(t, n, "s", "k")
+	woken(t, ch, "a subscriber after the resubscription")
+}
+
+// TestNotifierCluster: on Redis Cluster, a notification published on any
+// node wakes the subscriber of a notifier on a ClusterClient. It runs when
+// IDEM_TEST_REDIS_CLUSTER_ADDRS lists the nodes (testdata/start-cluster.sh
+// starts a cluster).
+func TestNotifierCluster(t *testing.T) {
+	addrs := os.Getenv("IDEM_TEST_REDIS_CLUSTER_ADDRS")
+	if addrs == "" {
+		t.Skip("set IDEM_TEST_REDIS_CLUSTER_ADDRS=host:port,… to run the Redis Cluster tests")
+	}
+	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ",")})
+	t.Cleanup(func() { cluster.Close() })
+	channel := newChannel(t)
+	b := newNotifier(t, cluster, channel)
+	ch, cancel := b.Subscribe("s", "k")
+	defer cancel()
+	mustNotify(t, newNotifier(t, cluster, channel), "s", "k")
+	woken(t, ch, "the subscriber, notified through the cluster client,")
+	for _, addr := range strings.Split(addrs, ",") {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		t.Cleanup(func() { node.Close() })
+		mustNotify(t, newNotifier(t, node, channel), "s", "k")
+		woken(t, ch, fmt.Sprintf("the subscriber, notified on node %s,", addr))
+	}
+}
+
+// ExampleNewNotifier gives an engine a notifier, so that a duplicate request
+// waiting in Await is answered as soon as the instance running the first one
+// settles it, rather than at its next poll. Every instance does the same with
+// the same channel. It needs a Redis server, so it is compiled, not run.
+func ExampleNewNotifier() {
+	ctx := context.Background()
+	opt, err := redis.ParseURL(os.Getenv("IDEM_TEST_REDIS_URL")) // e.g. redis://127.0.0.1:6379/0
+	if err != nil {
+		log.Fatal(err)
+	}
+	client := redis.NewClient(opt) // or redis.NewClusterClient for Redis Cluster
+	defer client.Close()
+	store, err := New(Config{Client: client, Prefix: "payments"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	notifier, err := NewNotifier(ctx, NotifierConfig{Client: client}) // SUBSCRIBEs to "idem:settled"
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer notifier.Close()
+	eng, err := idem.New(idem.Config{Store: store, Notifier: notifier})
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	out, err := eng.Await(ctx, idem.BeginParams{
+		Key:         "order-7",
+		Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/orders", Body: []byte(`{"sku":"a1"}`)}),
+	}, 10*time.Second)
+	if err != nil {
+		log.Fatal(err)
+	}
+	switch out.Decision {
+	case idem.Execute:
+		// ... run the work, then eng.Complete, which notifies ...
+	case idem.Replay:
+		fmt.Println("replayed:", out.Record.Response.Status)
+	default:
+		fmt.Println(out.Decision) // still in flight after 10 s, a mismatch, or uncertain
+	}
+}
