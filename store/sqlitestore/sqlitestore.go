@@ -10,16 +10,30 @@
 // # Costs
 //
 // Nothing crosses a network. Each write (acquire, renew, finish) is one
-// transaction with one fsync of the WAL; a replay is one read transaction
-// and no write. Writers in one process are serialised by a mutex (SQLite
+// transaction with one fsync of the WAL; a replay is one read and no write
+// transaction. Writers in one process are serialised by a mutex (SQLite
 // allows one writer at a time anyway, and the mutex spares them its
 // busy-wait backoff); writers in other processes wait on the busy timeout.
+//
+// Measured with go test -run '^$' -bench . -benchtime 2000x -count 3 (medians)
+// on a 2-vCPU VM, next to the bare statements on a table of the same shape:
+//
+//	benchmark                                        ns/op   ops/s
+//	AcquireComplete  acquire a new key, complete   768 821   1 301
+//	RawInsertUpdate  INSERT, then UPDATE by key    490 838   2 037   idem/raw 1.57
+//	Replay           acquire of a completed key     33 871  29 524
+//	RawSelect        SELECT by key                  13 572  73 681   idem/raw 2.50
+//
+// A new key costs its two fsyncs; a replay reads one row and decodes the
+// stored response.
 //
 // # Atomicity
 //
 // Acquire, renew and finish each run as a BEGIN IMMEDIATE transaction: read
 // the row, apply the root package's transition ([idem.AcquireParams.Apply],
-// ...) and write it back, holding SQLite's write lock throughout.
+// ...) and write it back, holding SQLite's write lock throughout. An acquire
+// that needs no write (a replay, a lease still running) is answered from a
+// plain read first, without the lock.
 //
 // # Transactional completion
 //
@@ -144,8 +158,20 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 	if err := p.Validate(); err != nil {
 		return idem.Record{}, err
 	}
+	// A replay, a running lease or an unknown record needs no write: answer
+	// from a plain read, which takes no lock. Anything else is decided again
+	// under the write lock below.
+	existing, err := get(ctx, s.db, p.Scope, p.Key)
+	if err != nil {
+		return idem.Record{}, translate("acquire", err)
+	}
+	if existing != nil {
+		if next, write := p.Apply(existing); !write {
+			return next, nil
+		}
+	}
 	var next idem.Record
-	err := s.write(ctx, "acquire", func(tx *sql.Tx) error {
+	err = s.write(ctx, "acquire", func(tx *sql.Tx) error {
 		existing, err := get(ctx, tx, p.Scope, p.Key)
 		if err != nil {
 			return err
