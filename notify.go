@@ -2,6 +2,8 @@ package idem
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"sync"
 	"time"
 )
@@ -28,43 +30,86 @@ type Notifier interface {
 // DefaultPoll is how often a waiting caller looks again when nothing wakes it.
 const DefaultPoll = 250 * time.Millisecond
 
-// localNotifier wakes waiters in this process.
-type localNotifier struct {
-	mu   sync.Mutex
-	subs map[string]map[chan struct{}]struct{}
+// NotifyID names a record in notifications: the hex of the first 16 bytes of
+// SHA-256(scope, NUL, key). Keys are client data, and a notification may be
+// seen by every listener on a shared channel, so Notifiers send this instead.
+func NotifyID(scope, key string) string {
+	h := sha256.New()
+	h.Write([]byte(scope))
+	h.Write([]byte{0})
+	h.Write([]byte(key))
+	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-func (n *localNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	id := scope + "\x00" + key
+// Waiters is a registry of channels waiting for records to be settled, by
+// [NotifyID], for [Notifier] implementations. Waking never blocks: each
+// channel holds at most one pending wake-up. The zero value is ready to use.
+type Waiters struct {
+	mu sync.Mutex
+	m  map[string]map[chan struct{}]struct{}
+}
+
+// Add subscribes a new channel to id and returns it with the function that
+// unsubscribes it.
+func (w *Waiters) Add(id string) (<-chan struct{}, func()) {
 	ch := make(chan struct{}, 1)
-	n.mu.Lock()
-	if n.subs == nil {
-		n.subs = map[string]map[chan struct{}]struct{}{}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.m == nil {
+		w.m = map[string]map[chan struct{}]struct{}{}
 	}
-	if n.subs[id] == nil {
-		n.subs[id] = map[chan struct{}]struct{}{}
+	if w.m[id] == nil {
+		w.m[id] = map[chan struct{}]struct{}{}
 	}
-	n.subs[id][ch] = struct{}{}
-	n.mu.Unlock()
+	w.m[id][ch] = struct{}{}
 	return ch, func() {
-		n.mu.Lock()
-		delete(n.subs[id], ch)
-		if len(n.subs[id]) == 0 {
-			delete(n.subs, id)
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		delete(w.m[id], ch)
+		if len(w.m[id]) == 0 {
+			delete(w.m, id)
 		}
-		n.mu.Unlock()
 	}
+}
+
+// Wake wakes the channels subscribed to id.
+func (w *Waiters) Wake(id string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for ch := range w.m[id] {
+		poke(ch)
+	}
+}
+
+// WakeAll wakes every subscribed channel, as after a lost connection, when
+// notifications may have been missed.
+func (w *Waiters) WakeAll() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, chans := range w.m {
+		for ch := range chans {
+			poke(ch)
+		}
+	}
+}
+
+// poke puts a value in ch unless one is already waiting there.
+func poke(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// localNotifier wakes waiters in this process.
+type localNotifier struct{ waiters Waiters }
+
+func (n *localNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
+	return n.waiters.Add(NotifyID(scope, key))
 }
 
 func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	for ch := range n.subs[scope+"\x00"+key] {
-		select {
-		case ch <- struct{}{}:
-		default:
-		}
-	}
+	n.waiters.Wake(NotifyID(scope, key))
 	return nil
 }
 

@@ -2,7 +2,6 @@ package idem_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
@@ -11,42 +10,36 @@ import (
 )
 
 // sharedNotifier stands in for PostgreSQL LISTEN/NOTIFY between engines:
-// both engines hold the same one. It keeps the Notifier contract: per-record
-// subscribers, a Notify that never blocks, a cancel that unsubscribes.
-type sharedNotifier struct {
-	mu   sync.Mutex
-	subs map[string]map[chan struct{}]bool
-}
+// both engines hold the same one.
+type sharedNotifier struct{ waiters idem.Waiters }
 
 func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	ch := make(chan struct{}, 1)
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.subs == nil {
-		n.subs = map[string]map[chan struct{}]bool{}
-	}
-	id := scope + "\x00" + key
-	if n.subs[id] == nil {
-		n.subs[id] = map[chan struct{}]bool{}
-	}
-	n.subs[id][ch] = true
-	return ch, func() {
-		n.mu.Lock()
-		defer n.mu.Unlock()
-		delete(n.subs[id], ch)
-	}
+	return n.waiters.Add(idem.NotifyID(scope, key))
 }
 
 func (n *sharedNotifier) Notify(ctx context.Context, scope, key string) error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	for ch := range n.subs[scope+"\x00"+key] {
-		select {
-		case ch <- struct{}{}:
-		default:
-		}
-	}
+	n.waiters.Wake(idem.NotifyID(scope, key))
 	return nil
+}
+
+func TestWaiters(t *testing.T) {
+	var w idem.Waiters
+	a, cancelA := w.Add(idem.NotifyID("s", "a"))
+	b, _ := w.Add(idem.NotifyID("s", "b"))
+	w.Wake(idem.NotifyID("s", "a"))
+	w.Wake(idem.NotifyID("s", "a")) // a second wake-up never blocks
+	if len(a) != 1 || len(b) != 0 {
+		t.Fatalf("after waking a: a holds %d, b holds %d", len(a), len(b))
+	}
+	<-a
+	cancelA()
+	w.WakeAll()
+	if len(a) != 0 || len(b) != 1 {
+		t.Fatalf("after WakeAll: cancelled a holds %d, b holds %d", len(a), len(b))
+	}
+	if idem.NotifyID("a", "bc") == idem.NotifyID("ab", "c") || len(idem.NotifyID("s", "k")) != 32 {
+		t.Fatal("NotifyID must keep scope and key apart and be 128 bits in hex")
+	}
 }
 
 func awaitSetup(t *testing.T, cfg idem.Config) (*idem.Engine, idem.Lease) {

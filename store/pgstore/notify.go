@@ -2,11 +2,8 @@ package pgstore
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -75,7 +72,7 @@ type Notifier struct {
 	pool      *pgxpool.Pool
 	channel   string
 	listenSQL string
-	subs      subscribers
+	subs      idem.Waiters
 
 	stop context.CancelFunc // stops the listener
 	done chan struct{}      // closed when the listener has stopped
@@ -121,7 +118,7 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.add(notifyPayload(scope, key))
+	return n.subs.Add(idem.NotifyID(scope, key))
 }
 
 // Notify implements [idem.Notifier] with one statement on the pool
@@ -131,7 +128,7 @@ func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgstore: notify: %w", err)
 	}
-	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, notifyPayload(scope, key)); err != nil {
+	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, idem.NotifyID(scope, key)); err != nil {
 		return translate("notify", err)
 	}
 	return nil
@@ -173,7 +170,7 @@ func (n *Notifier) run(ctx context.Context, conn *pgx.Conn) {
 		}
 		// Notifications sent while nothing listened are lost: every waiter
 		// looks again now that new ones will arrive.
-		n.subs.wakeAll()
+		n.subs.WakeAll()
 	}
 }
 
@@ -190,7 +187,7 @@ func (n *Notifier) listen(ctx context.Context, conn *pgx.Conn) {
 			return
 		case err == nil:
 			if note != nil && note.Channel == n.channel {
-				n.subs.wake(note.Payload)
+				n.subs.Wake(note.Payload)
 			}
 		case idle && !conn.IsClosed():
 			// Nothing came for a while: make sure the connection answers.
@@ -235,73 +232,4 @@ func closeConn(conn *pgx.Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	conn.Close(ctx)
-}
-
-// notifyPayload is what a notification for scope and key carries: the hex of
-// the first 16 bytes of SHA-256(scope, NUL, key). Keys are client data and a
-// notification can be read by every session listening on the channel, so
-// they are never sent as they are. It must stay identical to redisstore's.
-func notifyPayload(scope, key string) string {
-	h := sha256.New()
-	h.Write([]byte(scope))
-	h.Write([]byte{0})
-	h.Write([]byte(key))
-	return hex.EncodeToString(h.Sum(nil)[:16])
-}
-
-// subscribers are the local subscribers of a notifier, by notification
-// payload.
-type subscribers struct {
-	mu sync.Mutex
-	m  map[string]map[chan struct{}]struct{}
-}
-
-// add subscribes a new channel to the payload id.
-func (s *subscribers) add(id string) (<-chan struct{}, func()) {
-	ch := make(chan struct{}, 1)
-	s.mu.Lock()
-	if s.m == nil {
-		s.m = map[string]map[chan struct{}]struct{}{}
-	}
-	if s.m[id] == nil {
-		s.m[id] = map[chan struct{}]struct{}{}
-	}
-	s.m[id][ch] = struct{}{}
-	s.mu.Unlock()
-	return ch, func() {
-		s.mu.Lock()
-		delete(s.m[id], ch)
-		if len(s.m[id]) == 0 {
-			delete(s.m, id)
-		}
-		s.mu.Unlock()
-	}
-}
-
-// wake wakes the channels subscribed to id, without blocking.
-func (s *subscribers) wake(id string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for ch := range s.m[id] {
-		poke(ch)
-	}
-}
-
-// wakeAll wakes every subscribed channel, without blocking.
-func (s *subscribers) wakeAll() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, chans := range s.m {
-		for ch := range chans {
-			poke(ch)
-		}
-	}
-}
-
-// poke puts a value in ch unless one is already waiting there.
-func poke(ch chan struct{}) {
-	select {
-	case ch <- struct{}{}:
-	default:
-	}
 }

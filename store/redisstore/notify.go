@@ -2,8 +2,6 @@ package redisstore
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"sync"
 
@@ -48,7 +46,7 @@ type Notifier struct {
 	client  redis.UniversalClient
 	channel string
 	pubsub  *redis.PubSub
-	subs    subscribers
+	subs    idem.Waiters
 
 	done     chan struct{} // closed when the goroutine reading pubsub has ended
 	close    sync.Once
@@ -92,7 +90,7 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.add(notifyPayload(scope, key))
+	return n.subs.Add(idem.NotifyID(scope, key))
 }
 
 // Notify implements [idem.Notifier] with one PUBLISH on the client, so it
@@ -102,7 +100,7 @@ func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("redisstore: notify: %w", err)
 	}
-	if err := n.client.Publish(ctx, n.channel, notifyPayload(scope, key)).Err(); err != nil {
+	if err := n.client.Publish(ctx, n.channel, idem.NotifyID(scope, key)).Err(); err != nil {
 		return translate("notify", err)
 	}
 	return nil
@@ -128,84 +126,15 @@ func (n *Notifier) run(msgs <-chan any) {
 		switch m := msg.(type) {
 		case *redis.Message:
 			if m.Channel == n.channel {
-				n.subs.wake(m.Payload)
+				n.subs.Wake(m.Payload)
 			}
 		case *redis.Subscription:
 			// go-redis subscribed again on a new connection: messages
 			// published while it had none are lost, so every waiter looks
 			// again now that new ones will arrive.
 			if m.Kind == "subscribe" {
-				n.subs.wakeAll()
+				n.subs.WakeAll()
 			}
 		}
-	}
-}
-
-// notifyPayload is what a notification for scope and key carries: the hex of
-// the first 16 bytes of SHA-256(scope, NUL, key). Keys are client data and a
-// message can be read by every client subscribed to the channel, so they are
-// never sent as they are. It must stay identical to pgstore's.
-func notifyPayload(scope, key string) string {
-	h := sha256.New()
-	h.Write([]byte(scope))
-	h.Write([]byte{0})
-	h.Write([]byte(key))
-	return hex.EncodeToString(h.Sum(nil)[:16])
-}
-
-// subscribers are the local subscribers of a notifier, by notification
-// payload.
-type subscribers struct {
-	mu sync.Mutex
-	m  map[string]map[chan struct{}]struct{}
-}
-
-// add subscribes a new channel to the payload id.
-func (s *subscribers) add(id string) (<-chan struct{}, func()) {
-	ch := make(chan struct{}, 1)
-	s.mu.Lock()
-	if s.m == nil {
-		s.m = map[string]map[chan struct{}]struct{}{}
-	}
-	if s.m[id] == nil {
-		s.m[id] = map[chan struct{}]struct{}{}
-	}
-	s.m[id][ch] = struct{}{}
-	s.mu.Unlock()
-	return ch, func() {
-		s.mu.Lock()
-		delete(s.m[id], ch)
-		if len(s.m[id]) == 0 {
-			delete(s.m, id)
-		}
-		s.mu.Unlock()
-	}
-}
-
-// wake wakes the channels subscribed to id, without blocking.
-func (s *subscribers) wake(id string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for ch := range s.m[id] {
-		poke(ch)
-	}
-}
-
-// wakeAll wakes every subscribed channel, without blocking.
-func (s *subscribers) wakeAll() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, chans := range s.m {
-		for ch := range chans {
-			poke(ch)
-		}
-	}
-}
-
-// poke puts a value in ch unless one is already waiting there.
-func poke(ch chan struct{}) {
-	select {
-	case ch <- struct{}{}:
-	default:
 	}
 }

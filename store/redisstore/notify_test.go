@@ -69,11 +69,11 @@ func ready(ch <-chan struct{}) bool {
 // SHA-256(scope, NUL, key), the same value as in pgstore's test.
 func TestNotifyPayload(t *testing.T) {
 	const want = "e61c97590bef91c078be53cfecf177c9"
-	if got := notifyPayload("tenant-42", "order-7"); got != want {
-		t.Fatalf("notifyPayload = %q, want %q", got, want)
+	if got := idem.NotifyID("tenant-42", "order-7"); got != want {
+		t.Fatalf("NotifyID = %q, want %q", got, want)
 	}
-	if notifyPayload("s", "k") == notifyPayload("s", "k2") || notifyPayload("s", "k") == notifyPayload("s2", "k") ||
-		notifyPayload("a", "bc") == notifyPayload("ab", "c") {
+	if idem.NotifyID("s", "k") == idem.NotifyID("s", "k2") || idem.NotifyID("s", "k") == idem.NotifyID("s2", "k") ||
+		idem.NotifyID("a", "bc") == idem.NotifyID("ab", "c") {
 		t.Fatal("two records share a payload")
 	}
 }
@@ -186,7 +186,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if err != nil {
 		t.Fatalf("waiting for the message: %v", err)
 	}
-	if want := notifyPayload("tenant-42", "order-7"); msg.Channel != channel || msg.Payload != want {
+	if want := idem.NotifyID("tenant-42", "order-7"); msg.Channel != channel || msg.Payload != want {
 		t.Fatalf("message on %q with payload %q, want %q on %q", msg.Channel, msg.Payload, want, channel)
 	}
 }
