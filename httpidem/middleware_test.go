@@ -651,3 +651,26 @@ func TestNewValidates(t *testing.T) {
 		t.Fatal("New with a negative wait succeeded")
 	}
 }
+
+// TestHijackedResponseIsNotReplayable: a handler that takes over the
+// connection delivers its answer once; a retry is told it cannot be replayed.
+func TestHijackedResponseIsNotReplayable(t *testing.T) {
+	a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+		conn, buf, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			t.Errorf("hijack: %v", err)
+			return
+		}
+		defer conn.Close()
+		buf.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nraw")
+		buf.Flush()
+	}}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	if r := send(t, srv, "POST", "/socket", "k", "x"); r.status != 200 || r.body != "raw" {
+		t.Fatalf("hijacked answer: %d %q", r.status, r.body)
+	}
+	wantProblem(t, send(t, srv, "POST", "/socket", "k", "x"), 409, httpidem.ProblemNotReplayable)
+	if a.runs.Load() != 1 {
+		t.Fatalf("ran %d times", a.runs.Load())
+	}
+}
