@@ -192,7 +192,7 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	switch {
 	case rec.Token == token && rec.State == StateInProgress:
 		out.Decision = Execute
-		out.Lease = Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence,
+		out.Lease = Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence, Fingerprint: rec.Fingerprint,
 			Expires: rec.LeaseExpires, Duration: lease, Retention: retention}
 	case rec.Fingerprint != p.Fingerprint:
 		out.Decision = Mismatch

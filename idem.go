@@ -133,6 +133,8 @@ type Record struct {
 	// Expires is when a terminal record stops being replayed and may be
 	// pruned; zero while the record is IN_PROGRESS or UNKNOWN.
 	Expires time.Time
+	// Checkpoints are the recovery points the owners recorded, oldest first.
+	Checkpoints []Checkpoint
 }
 
 // Live reports whether the record is still visible at now: non-terminal
@@ -156,6 +158,8 @@ type Lease struct {
 	Token string
 	// Fence is the record's fence at acquisition (see [Record.Fence]).
 	Fence int64
+	// Fingerprint is the payload's, as stored on the record.
+	Fingerprint Fingerprint
 	// Expires is when the lease ends unless renewed.
 	Expires time.Time
 	// Duration is the length of each renewal.

@@ -27,6 +27,10 @@ type Store interface {
 	// Renew extends a lease; see [RenewParams.Apply]. A token that no longer
 	// owns a running record gives [ErrLeaseLost].
 	Renew(ctx context.Context, p RenewParams) error
+	// Checkpoint appends a recovery point to a running record; see
+	// [CheckpointParams.Apply]. A token that no longer owns a running record
+	// gives [ErrLeaseLost].
+	Checkpoint(ctx context.Context, p CheckpointParams) error
 	// Finish settles a record as COMPLETED, FAILED or UNKNOWN; see
 	// [FinishParams.Apply]. A token that no longer owns the record gives
 	// [ErrLeaseLost].

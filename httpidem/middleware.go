@@ -183,8 +183,14 @@ func HashScope(header string) func(*http.Request) string {
 	}
 }
 
-// outcome lets a handler say what its response means; see [NothingHappened].
-type outcome struct{ verdict atomic.Int32 }
+// call is what the middleware knows about a request it runs, reachable from
+// the handler's context.
+type call struct {
+	m       *Middleware
+	lease   idem.Lease
+	verdict atomic.Int32
+	settled atomic.Bool // the handler settled the record itself (Finish)
+}
 
 const (
 	verdictDefault int32 = iota
@@ -192,7 +198,12 @@ const (
 	verdictUnknown
 )
 
-type outcomeKey struct{}
+type callKey struct{}
+
+func callFrom(ctx context.Context) *call {
+	c, _ := ctx.Value(callKey{}).(*call)
+	return c
+}
 
 // NothingHappened tells the middleware that the request had no effect (it
 // was refused before doing anything), whatever its status: the key is
@@ -206,18 +217,75 @@ func NothingHappened(r *http.Request) { setVerdict(r, verdictNothing) }
 func OutcomeUnknown(r *http.Request) { setVerdict(r, verdictUnknown) }
 
 func setVerdict(r *http.Request, v int32) {
-	if o, ok := r.Context().Value(outcomeKey{}).(*outcome); ok {
-		o.verdict.Store(v)
+	if c := callFrom(r.Context()); c != nil {
+		c.verdict.Store(v)
 	}
 }
 
-type leaseKey struct{}
-
-// LeaseFrom returns the lease under which the handler runs, for handlers that
-// settle the record themselves in their own transaction.
+// LeaseFrom returns the lease under which the handler runs: for its
+// checkpoints (idem.Engine.Checkpoint) and downstream keys
+// (idem.Lease.DownstreamKey).
 func LeaseFrom(ctx context.Context) (idem.Lease, bool) {
-	l, ok := ctx.Value(leaseKey{}).(idem.Lease)
-	return l, ok
+	if c := callFrom(ctx); c != nil {
+		return c.lease, true
+	}
+	return idem.Lease{}, false
+}
+
+// ErrNoCall is returned by [Finish] outside a request the middleware runs.
+var ErrNoCall = errors.New("httpidem: not inside a request run by the middleware")
+
+// Finish settles the request's record as resp inside the handler's own
+// database transaction, so that the handler's writes (the ledger debit) and
+// the stored outcome commit together or not at all. commit gets the params
+// to pass to the store's transactional finish (pgstore's or sqlitestore's
+// FinishTx) in that transaction, and must then commit the transaction:
+//
+//	err := httpidem.Finish(w, r, resp, func(p idem.FinishParams) error {
+//		if err := store.FinishTx(ctx, tx, p); err != nil {
+//			return err
+//		}
+//		return tx.Commit()
+//	})
+//
+// When commit returns nil, Finish writes resp to w, and the middleware
+// stores nothing more. When it returns an error, nothing was written to w
+// and the transaction must be rolled back; the handler answers as it sees
+// fit (a 503 releases the key, so the client's retry runs again — right
+// when the transaction rolled back). [idem.ErrLeaseLost] from FinishTx means
+// a newer owner has the record.
+//
+// The stored copy of resp leaves out the headers the middleware never
+// stores; the client gets all of them.
+func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit func(idem.FinishParams) error) error {
+	c := callFrom(r.Context())
+	if c == nil {
+		return ErrNoCall
+	}
+	eng := c.m.cfg.Engine
+	p := eng.FinishParams(c.lease, idem.StateCompleted, nil)
+	expires := p.Expires.UTC().Format(http.TimeFormat)
+	stored := &idem.Response{Status: resp.Status, Header: storedHeader(resp.Header, c.m.allow)}
+	stored.Header.Set(HeaderExpires, expires)
+	if int64(len(resp.Body)) > c.m.cfg.MaxResponseBody {
+		stored.BodyOmitted = true
+	} else {
+		stored.Body = resp.Body
+	}
+	p.Response = stored
+	if err := commit(p); err != nil {
+		return err
+	}
+	c.settled.Store(true)
+	eng.Settled(context.WithoutCancel(r.Context()), c.lease.Scope, c.lease.Key)
+	h := w.Header()
+	for name, values := range resp.Header {
+		h[name] = slices.Clone(values)
+	}
+	h.Set(HeaderExpires, expires)
+	w.WriteHeader(resp.Status)
+	w.Write(resp.Body)
+	return nil
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -321,8 +389,8 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	eng := m.cfg.Engine
 	// The client going away must not stop the work: its retry wants the outcome.
 	held, stop := eng.Hold(context.WithoutCancel(r.Context()), lease)
-	verdict := &outcome{}
-	ctx := context.WithValue(context.WithValue(held, outcomeKey{}, verdict), leaseKey{}, lease)
+	state := &call{m: m, lease: lease}
+	ctx := context.WithValue(held, callKey{}, state)
 	c := newCapture(w, m.cfg.MaxResponseBody)
 	// Settling uses a context of its own: neither the client nor a lost lease
 	// may stop the outcome from being written.
@@ -352,10 +420,12 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}
 	var err error
 	extra := http.Header{}
-	switch {
-	case verdict.verdict.Load() == verdictUnknown:
+	switch verdict := state.verdict.Load(); {
+	case state.settled.Load():
+		// The handler settled the record in its own transaction (Finish).
+	case verdict == verdictUnknown:
 		err = eng.MarkUnknown(settle, lease)
-	case verdict.verdict.Load() == verdictNothing, status == http.StatusTooManyRequests, status == http.StatusServiceUnavailable:
+	case verdict == verdictNothing, status == http.StatusTooManyRequests, status == http.StatusServiceUnavailable:
 		err = eng.Release(settle, lease)
 	default:
 		retention := lease.Retention

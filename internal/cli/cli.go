@@ -29,11 +29,13 @@ const usage = `idem makes side effects behind HTTP APIs happen exactly once.
 
 Usage:
   idem proxy --upstream URL [--listen ADDR] [--store DSN] [--config FILE] [flags]
+  idem demo [--listen ADDR] [--store DSN] [--acquirer URL]
   idem echo [--listen ADDR] [--delay D]
   idem help [COMMAND]
 
 Commands:
   proxy    put the idempotency contract in front of any HTTP API
+  demo     the reference payments service, a simulated card acquirer and a reconciler
   echo     a toy API that numbers each request it runs, to try idem on
 
 Run 'idem help proxy' for its flags.
@@ -50,6 +52,8 @@ func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer)
 		return runProxy(ctx, args[1:], env, stdout, stderr)
 	case "echo":
 		return runEcho(ctx, args[1:], stdout, stderr)
+	case "demo":
+		return runDemo(ctx, args[1:], env, stdout, stderr)
 	case "help", "-h", "--help":
 		if len(args) > 1 && args[1] == "proxy" {
 			runProxy(ctx, []string{"-h"}, env, stdout, stdout)

@@ -57,6 +57,15 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
 
+// Checkpoint implements [idem.Store].
+func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	p.Data = slices.Clone(p.Data)
+	return s.update(ctx, p.Scope, p.Key, p.Apply)
+}
+
 // Finish implements [idem.Store].
 func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 	if err := p.Validate(); err != nil {
@@ -76,7 +85,7 @@ func (s *Store) update(ctx context.Context, scope, key string, apply func(*idem.
 	if r == nil {
 		return apply(nil)
 	}
-	next := *r
+	next := *clone(r)
 	if err := apply(&next); err != nil {
 		return err
 	}
@@ -155,6 +164,10 @@ func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
 func clone(r *idem.Record) *idem.Record {
 	c := *r
 	c.Response = cloneResponse(r.Response)
+	c.Checkpoints = slices.Clone(r.Checkpoints)
+	for i := range c.Checkpoints {
+		c.Checkpoints[i].Data = slices.Clone(c.Checkpoints[i].Data)
+	}
 	return &c
 }
 

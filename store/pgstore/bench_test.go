@@ -104,7 +104,7 @@ func (x bench) rawTable(b *testing.B) string {
 		scope text COLLATE "C" NOT NULL, key text COLLATE "C" NOT NULL, state text NOT NULL,
 		fingerprint text NOT NULL, token text NOT NULL, fence bigint NOT NULL,
 		lease_expires timestamptz NOT NULL, takeover_safe boolean NOT NULL, response bytea,
-		created timestamptz NOT NULL, updated timestamptz NOT NULL, expires timestamptz,
+		created timestamptz NOT NULL, updated timestamptz NOT NULL, expires timestamptz, checkpoints bytea,
 		PRIMARY KEY (scope, key))`); err != nil {
 		b.Fatal(err)
 	}
@@ -146,7 +146,7 @@ func BenchmarkRawSelect(b *testing.B) {
 		string(fp("a")), now.Add(30*time.Second), response, now, now.Add(24*time.Hour)); err != nil {
 		b.Fatal(err)
 	}
-	query := `SELECT scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires
+	query := `SELECT scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints
 		FROM ` + name + ` WHERE scope = $1 AND key = $2`
 	x.loop(b, func(int) {
 		var (
@@ -154,11 +154,11 @@ func BenchmarkRawSelect(b *testing.B) {
 			fence                               int64
 			leaseExpires, created, updated      time.Time
 			takeoverSafe                        bool
-			resp                                []byte
+			resp, checkpoints                   []byte
 			expires                             *time.Time
 		)
 		if err := x.pool.QueryRow(ctx, query, "tenant", "key").Scan(&scope, &key, &state, &fingerprint, &tok, &fence,
-			&leaseExpires, &takeoverSafe, &resp, &created, &updated, &expires); err != nil {
+			&leaseExpires, &takeoverSafe, &resp, &created, &updated, &expires, &checkpoints); err != nil {
 			b.Fatal(err)
 		}
 	})

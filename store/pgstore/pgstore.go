@@ -18,10 +18,14 @@
 //	response bytea                   idem.Response.MarshalBinary; NULL unless completed
 //	created, updated timestamptz
 //	expires timestamptz              NULL while in_progress or unknown
+//	checkpoints bytea                idem.AppendCheckpoint lines, oldest first; NULL when there are none
 //
 // with a partial index on expires over the settled records (prune) and a
 // partial index on (scope, key) over the unsettled ones (scan). Applied
-// migrations are listed in <schema>.migrations.
+// migrations are listed in <schema>.migrations:
+//
+//	001_records.sql      the table and its indexes
+//	002_checkpoints.sql  the checkpoints column
 //
 // # Round trips
 //
@@ -31,6 +35,7 @@
 //	acquire        1  (INSERT … ON CONFLICT DO UPDATE … WHERE, in a CTE, RETURNING)
 //	replay lookup  1  (it is the acquire statement itself)
 //	renew          1  (UPDATE … WHERE token = $n)
+//	checkpoint     1  (UPDATE … SET checkpoints = checkpoints || $n … WHERE token = $n)
 //	complete       1  (UPDATE … WHERE token = $n; or inside the caller's transaction with FinishTx)
 //	get            1
 //	scan           1 per page (keyset pagination on scope, key)
@@ -55,9 +60,11 @@
 // DO UPDATE whose WHERE fails would still lock the row, which costs a
 // transaction id, WAL and a synchronous commit on every replay.
 //
-// Renew and Finish are compare-and-set UPDATEs on the lease token. The store
-// never reads a clock: every statement acts at the time its params carry.
-// Times are kept to the microsecond.
+// Renew, Checkpoint and Finish are compare-and-set UPDATEs on the lease token;
+// Checkpoint appends to the stored checkpoints with ||, without reading them.
+// The store never reads a clock: every statement acts at the time its params
+// carry. Times are kept to the microsecond (a checkpoint's own time, inside
+// its stored line, as the params gave it).
 //
 // # Performance
 //
@@ -135,7 +142,7 @@ type Store struct {
 	pool   *pgxpool.Pool
 	schema string // as configured, unquoted
 
-	acquireSQL, renewSQL, finishSQL, getSQL, scanSQL, pruneSQL string
+	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, pruneSQL string
 }
 
 // New returns a store on cfg.Pool and, unless cfg.NoMigrate, applies the
@@ -155,14 +162,15 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	table := pgx.Identifier{schema, "records"}.Sanitize()
 	sub := func(sql string) string { return strings.ReplaceAll(sql, "{{table}}", table) }
 	s := &Store{
-		pool:       cfg.Pool,
-		schema:     schema,
-		acquireSQL: sub(acquireSQL),
-		renewSQL:   sub(renewSQL),
-		finishSQL:  sub(finishSQL),
-		getSQL:     sub(getSQL),
-		scanSQL:    sub(scanSQL),
-		pruneSQL:   sub(pruneSQL),
+		pool:          cfg.Pool,
+		schema:        schema,
+		acquireSQL:    sub(acquireSQL),
+		renewSQL:      sub(renewSQL),
+		checkpointSQL: sub(checkpointSQL),
+		finishSQL:     sub(finishSQL),
+		getSQL:        sub(getSQL),
+		scanSQL:       sub(scanSQL),
+		pruneSQL:      sub(pruneSQL),
 	}
 	if !cfg.NoMigrate {
 		if err := s.Migrate(ctx); err != nil {
@@ -173,7 +181,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 }
 
 // columns are the records columns in the order scanRecord reads them.
-const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires`
+const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
 
 // acquireSQL is AcquireParams.Apply in one statement.
 //
@@ -192,7 +200,8 @@ const columns = `scope, key, state, fingerprint, token, fence, lease_expires, ta
 //
 // Given that WHERE, the state of the old row tells the cases apart in the SET:
 // in_progress and not takeover_safe is the UNKNOWN case, in_progress and
-// takeover_safe the takeover, anything else a re-creation.
+// takeover_safe the takeover, anything else a re-creation. The first two keep
+// the checkpoints; a re-creation starts with none.
 //
 // The statement returns no row when the row changed between the statement's
 // snapshot and the INSERT (see Store.Acquire).
@@ -208,7 +217,7 @@ WITH cur AS (
 ), up AS (
 	INSERT INTO {{table}} AS r (` + columns + `)
 	SELECT $1::text, $2::text, 'in_progress', $3::text, $4::text, 1, $6::timestamptz, $7::boolean,
-		NULL, $5::timestamptz, $5::timestamptz, NULL
+		NULL, $5::timestamptz, $5::timestamptz, NULL, NULL
 	WHERE NOT EXISTS (SELECT FROM cur WHERE NOT cur.must_write)
 	ON CONFLICT (scope, key) DO UPDATE SET
 		state = CASE WHEN r.state = 'in_progress' AND NOT r.takeover_safe THEN 'unknown'
@@ -229,13 +238,15 @@ WITH cur AS (
 		created = CASE WHEN r.state = 'in_progress' THEN r.created
 			ELSE excluded.created END,
 		updated = excluded.updated,
-		expires = NULL
+		expires = NULL,
+		checkpoints = CASE WHEN r.state = 'in_progress' THEN r.checkpoints
+			ELSE NULL END
 	WHERE (r.expires IS NOT NULL AND r.expires <= excluded.updated)
 		OR r.state = 'failed'
 		OR (r.state = 'in_progress' AND r.lease_expires <= excluded.updated
 			AND (NOT r.takeover_safe OR r.fingerprint = excluded.fingerprint))
 	RETURNING r.scope, r.key, r.state, r.fingerprint, r.token, r.fence, r.lease_expires,
-		r.takeover_safe, r.response, r.created, r.updated, r.expires
+		r.takeover_safe, r.response, r.created, r.updated, r.expires, r.checkpoints
 )
 SELECT ` + columns + ` FROM up
 UNION ALL
@@ -245,6 +256,14 @@ SELECT ` + columns + ` FROM cur WHERE NOT cur.must_write`
 // it runs out, is extended. (An IN_PROGRESS record never expires.)
 const renewSQL = `
 UPDATE {{table}} SET lease_expires = $5, updated = $4
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND lease_expires > $4`
+
+// checkpointSQL is CheckpointParams.Apply: like a renewal, only a running
+// lease under the token, before it runs out, takes a checkpoint, which is
+// appended to the stored ones and ends the record's takeover safety.
+const checkpointSQL = `
+UPDATE {{table}} SET checkpoints = coalesce(checkpoints, ''::bytea) || $5::bytea,
+	takeover_safe = false, updated = $4
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND lease_expires > $4`
 
 // finishSQL is FinishParams.Apply: a running or unknown record under the
@@ -326,6 +345,24 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	tag, err := s.pool.Exec(ctx, s.renewSQL, p.Scope, p.Key, p.Token, p.Now, p.LeaseExpires)
 	if err != nil {
 		return translate("renew", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.ErrLeaseLost
+	}
+	return nil
+}
+
+// Checkpoint implements [idem.Store] with one UPDATE.
+func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("pgstore: checkpoint: %w", err)
+	}
+	tag, err := s.pool.Exec(ctx, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, idem.AppendCheckpoint(nil, p.Checkpoint()))
+	if err != nil {
+		return translate("checkpoint", err)
 	}
 	if tag.RowsAffected() == 0 {
 		return idem.ErrLeaseLost
@@ -482,11 +519,11 @@ func scanRecord(row pgx.Row) (idem.Record, error) {
 	var (
 		r                  idem.Record
 		state, fingerprint string
-		response           []byte
+		response, cps      []byte
 		expires            *time.Time
 	)
 	if err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &r.LeaseExpires,
-		&r.TakeoverSafe, &response, &r.Created, &r.Updated, &expires); err != nil {
+		&r.TakeoverSafe, &response, &r.Created, &r.Updated, &expires, &cps); err != nil {
 		return idem.Record{}, err
 	}
 	r.State = idem.State(state)
@@ -502,6 +539,10 @@ func scanRecord(row pgx.Row) (idem.Record, error) {
 		if err := r.Response.UnmarshalBinary(response); err != nil {
 			return idem.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
 		}
+	}
+	var err error
+	if r.Checkpoints, err = idem.DecodeCheckpoints(cps); err != nil {
+		return idem.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
 	}
 	return r, nil
 }

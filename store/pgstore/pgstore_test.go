@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -408,11 +410,13 @@ func TestConcurrentNewMigratesOnce(t *testing.T) {
 			t.Fatalf("New #%d: %v", i, err)
 		}
 	}
-	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")+" WHERE version = 1"); v != 1 {
-		t.Fatalf("migration 1 recorded %d times, want once", v)
+	for _, version := range []int{1, 2} {
+		if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")+" WHERE version = $1", version); v != 1 {
+			t.Fatalf("migration %d recorded %d times, want once", version, v)
+		}
 	}
-	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")); v != 1 {
-		t.Fatalf("%d migrations recorded, want 1", v)
+	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")); v != 2 {
+		t.Fatalf("%d migrations recorded, want 2", v)
 	}
 	// Migrating again changes nothing, and every store works on the one table.
 	if err := stores[0].Migrate(ctx); err != nil {
@@ -421,6 +425,121 @@ func TestConcurrentNewMigratesOnce(t *testing.T) {
 	mustAcquire(t, stores[3], acquireParams("k", "tok", t0))
 	if r, err := stores[7].Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.Token != "tok" {
 		t.Fatalf("Get through another store = %+v, %v", r, err)
+	}
+}
+
+// TestCheckpointsKeptAndDropped follows a record's checkpoints through the
+// acquire statement: the UNKNOWN transition and settling keep them, and so
+// does the record Acquire returns; a re-creation over an expired record drops
+// them.
+func TestCheckpointsKeptAndDropped(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	names := func(r idem.Record) string {
+		var n []string
+		for _, c := range r.Checkpoints {
+			n = append(n, c.Name)
+		}
+		return strings.Join(n, " ")
+	}
+	r := mustAcquire(t, s, acquireParams("k", "tok", t0))
+	binary := []byte{0, '\n', 0xff, '"'}
+	for i, name := range []string{"authorize", "capture"} {
+		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
+			Now: t0.Add(time.Duration(i+1) * time.Second), Name: name, Data: binary}); err != nil {
+			t.Fatalf("Checkpoint %s: %v", name, err)
+		}
+	}
+	stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || names(stored) != "authorize capture" || !stored.Updated.Equal(t0.Add(2*time.Second)) ||
+		!stored.Checkpoints[1].At.Equal(t0.Add(2*time.Second)) || string(stored.Checkpoints[1].Data) != string(binary) {
+		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
+	}
+
+	unknown, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(30*time.Second)))
+	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
+		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
+	}
+	if stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || !reflect.DeepEqual(stored, unknown) {
+		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
+	}
+	if err := s.Finish(ctx, completeParams("k", "tok", t0.Add(time.Minute))); err != nil {
+		t.Fatal(err)
+	}
+	replay, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(time.Minute)))
+	if err != nil || replay.State != idem.StateCompleted || names(replay) != "authorize capture" {
+		t.Fatalf("replay = %+v, %v; want completed with both checkpoints", replay, err)
+	}
+
+	again := mustAcquire(t, s, acquireParams("k", "again", t0.Add(2*time.Hour)))
+	if again.Checkpoints != nil {
+		t.Fatalf("re-created record has checkpoints %+v", again.Checkpoints)
+	}
+	if n := countRows(t, sharedPool(t), "SELECT count(*) FROM "+table(schema, "records")+" WHERE checkpoints IS NULL"); n != 1 {
+		t.Fatalf("re-created row: %d rows with NULL checkpoints, want 1", n)
+	}
+}
+
+// TestMigrateUpgradesVersion1 applies migration 2 to a schema that has only
+// migration 1, as a store of an earlier release left it, with a record in it.
+func TestMigrateUpgradesVersion1(t *testing.T) {
+	t.Parallel()
+	schema := newSchema(t)
+	pool := sharedPool(t)
+	v1, err := os.ReadFile("migrations/001_records.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	quoted := pgx.Identifier{schema}.Sanitize()
+	for _, sql := range []string{
+		"CREATE SCHEMA " + quoted,
+		"CREATE TABLE " + table(schema, "migrations") + " (version integer PRIMARY KEY, applied timestamptz NOT NULL)",
+		strings.ReplaceAll(string(v1), "{{schema}}", quoted),
+		"INSERT INTO " + table(schema, "migrations") + " (version, applied) VALUES (1, now())",
+	} {
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+table(schema, "records")+` (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
+		VALUES ('s', 'k', 'in_progress', $1, 'tok', 1, $2, true, $3, $3)`, string(fp("a")), t0.Add(30*time.Second), t0); err != nil {
+		t.Fatal(err)
+	}
+	hasColumn := func() bool {
+		t.Helper()
+		return countRows(t, pool, `SELECT count(*) FROM information_schema.columns
+			WHERE table_schema = $1 AND table_name = 'records' AND column_name = 'checkpoints' AND data_type = 'bytea'`, schema) == 1
+	}
+	if hasColumn() {
+		t.Fatal("the version 1 schema already has the checkpoints column")
+	}
+
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema}) // migrates
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	if !hasColumn() {
+		t.Fatal("Migrate did not add the checkpoints column")
+	}
+	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")+" WHERE version = 2"); v != 1 {
+		t.Fatalf("migration 2 recorded %d times, want once", v)
+	}
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatalf("Migrate again: %v", err)
+	}
+
+	// The record written before the upgrade reads with no checkpoints and
+	// takes one.
+	r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || r.Token != "tok" || r.Checkpoints != nil {
+		t.Fatalf("Get of the old record = %+v, %v", r, err)
+	}
+	if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize"}); err != nil {
+		t.Fatalf("Checkpoint of the old record: %v", err)
+	}
+	r, err = s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || len(r.Checkpoints) != 1 || r.Checkpoints[0].Name != "authorize" || r.TakeoverSafe {
+		t.Fatalf("Get after Checkpoint = %+v, %v", r, err)
 	}
 }
 
@@ -446,6 +565,10 @@ func TestRoundTrips(t *testing.T) {
 	cost("Acquire of a new key", func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
 	renew := idem.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
 	cost("Renew", func() error { return s.Renew(ctx, renew) })
+	checkpoint := idem.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize", Data: []byte("x")}
+	cost("Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
+	checkpoint.Now = t0.Add(1500 * time.Millisecond)
+	cost("second Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
 	cost("Finish", func() error { return s.Finish(ctx, completeParams("k", "tok", t0.Add(2*time.Second))) })
 	cost("Acquire that replays", func() error {
 		r, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(3*time.Second)))

@@ -18,9 +18,12 @@
 // and key unambiguous ("a:b","c" is not "a","b:c"). A record's hash has the
 // fields state, fp, token, fence, lease, ts (takeover safe, 0 or 1), resp
 // (the bytes of [idem.Response.MarshalBinary], only while COMPLETED),
-// created, updated, exp (0 while unsettled), scope and key. Times are unix
-// milliseconds taken from the params (the store never reads a clock, nor
-// Redis TIME); they are truncated to the millisecond and come back in UTC.
+// created, updated, exp (0 while unsettled), scope, key and cps (the
+// checkpoints: the concatenated [idem.AppendCheckpoint] lines, oldest first;
+// absent when there are none). Times are unix milliseconds taken from the
+// params (the store never reads a clock, nor Redis TIME); they are truncated
+// to the millisecond and come back in UTC. A checkpoint's own time, inside
+// cps, is kept as the params gave it.
 //
 // The pending set of a shard lists its IN_PROGRESS and UNKNOWN records
 // (member: the record's Redis key; score: the lease's end in milliseconds,
@@ -39,8 +42,8 @@
 //
 // Each operation is one Lua script, so one round trip: acquire 1 (the same
 // script returns the existing record, so the lookup that decides a replay is
-// that round trip too), renew 1, complete/release/mark-unknown 1, get 1
-// (HGETALL). A scan page costs 2 pipelined round trips when nothing changes
+// that round trip too), renew 1, checkpoint 1, complete/release/mark-unknown
+// 1, get 1 (HGETALL). A scan page costs 2 pipelined round trips when nothing changes
 // under it: one pipeline runs a range script on the pending set of every
 // shard from the cursor's on (each returns at most Limit+1 members whose
 // score is due), and one fetches those records (HGETALL each); records that
@@ -203,21 +206,23 @@ func ms(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
 // acquireScript applies idem.AcquireParams.Apply to the record in KEYS[1]
 // and returns the record as it is afterwards: the values of recordFields, in
 // that order, false (nil) for a field the record does not have. It reads the
-// hash once, and returns what it read or wrote without reading it again.
+// hash once, and returns what it read or wrote without reading it again. A
+// re-creation starts with no checkpoints; the UNKNOWN transition and a
+// takeover keep them.
 //
 // KEYS: record, pending. ARGV: now, fp, token, lease, ts, scope, key.
 var acquireScript = redis.NewScript(`
 local rec, pending = KEYS[1], KEYS[2]
 local now = tonumber(ARGV[1])
 local r = redis.call('HMGET', rec, 'state', 'fp', 'token', 'fence', 'lease', 'ts', 'resp',
-  'created', 'updated', 'exp', 'scope', 'key')
+  'created', 'updated', 'exp', 'scope', 'key', 'cps')
 local state, exp = r[1], tonumber(r[10]) or 0
 local live = state and (exp == 0 or now < exp)
 if not live or state == 'failed' then
   local fence = '1'
   if live then fence = tostring(tonumber(r[4]) + 1) end
-  r = {'in_progress', ARGV[2], ARGV[3], fence, ARGV[4], ARGV[5], false, ARGV[1], ARGV[1], '0', ARGV[6], ARGV[7]}
-  redis.call('DEL', rec) -- drops the old response and TTL
+  r = {'in_progress', ARGV[2], ARGV[3], fence, ARGV[4], ARGV[5], false, ARGV[1], ARGV[1], '0', ARGV[6], ARGV[7], false}
+  redis.call('DEL', rec) -- drops the old response, checkpoints and TTL
   redis.call('HSET', rec, 'state', r[1], 'fp', r[2], 'token', r[3], 'fence', r[4], 'lease', r[5],
     'ts', r[6], 'created', r[8], 'updated', r[9], 'exp', r[10], 'scope', r[11], 'key', r[12])
   redis.call('ZADD', pending, r[5], rec)
@@ -237,7 +242,7 @@ return r
 
 // recordFields are the fields of a record's hash, in the order
 // acquireScript returns their values.
-var recordFields = [...]string{"state", "fp", "token", "fence", "lease", "ts", "resp", "created", "updated", "exp", "scope", "key"}
+var recordFields = [...]string{"state", "fp", "token", "fence", "lease", "ts", "resp", "created", "updated", "exp", "scope", "key", "cps"}
 
 // renewScript applies idem.RenewParams.Apply: 1 when renewed, 0 when the
 // lease is lost.
@@ -250,6 +255,21 @@ if cur[1] ~= 'in_progress' or cur[2] ~= ARGV[1] or tonumber(ARGV[2]) >= tonumber
 end
 redis.call('HSET', KEYS[1], 'lease', ARGV[3], 'updated', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+return 1
+`)
+
+// checkpointScript applies idem.CheckpointParams.Apply: 1 when the
+// checkpoint was appended (and the record is no longer takeover safe), 0 when
+// the lease is lost. The lease does not change, so neither does the pending
+// set.
+//
+// KEYS: record. ARGV: token, now, checkpoint (its idem.AppendCheckpoint line).
+var checkpointScript = redis.NewScript(`
+local cur = redis.call('HMGET', KEYS[1], 'state', 'token', 'lease', 'cps')
+if cur[1] ~= 'in_progress' or cur[2] ~= ARGV[1] or tonumber(ARGV[2]) >= tonumber(cur[3]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'cps', (cur[4] or '') .. ARGV[3], 'ts', '0', 'updated', ARGV[2])
 return 1
 `)
 
@@ -363,6 +383,26 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	n, err := renewScript.Run(ctx, s.client, []string{rec, pending}, p.Token, ms(p.Now), ms(p.LeaseExpires)).Int()
 	if err != nil {
 		return translate("renew", err)
+	}
+	if n != 1 {
+		return idem.ErrLeaseLost
+	}
+	return nil
+}
+
+// Checkpoint implements [idem.Store]: one round trip.
+func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("redisstore: checkpoint: %w", err)
+	}
+	rec, _ := s.keys(p.Scope, p.Key)
+	n, err := checkpointScript.Run(ctx, s.client, []string{rec},
+		p.Token, ms(p.Now), idem.AppendCheckpoint(nil, p.Checkpoint())).Int()
+	if err != nil {
+		return translate("checkpoint", err)
 	}
 	if n != 1 {
 		return idem.ErrLeaseLost
@@ -676,6 +716,12 @@ func decode(f map[string]string) (idem.Record, error) {
 	if b, ok := f["resp"]; ok {
 		r.Response = new(idem.Response)
 		if err := r.Response.UnmarshalBinary([]byte(b)); err != nil {
+			return idem.Record{}, err
+		}
+	}
+	if b, ok := f["cps"]; ok {
+		var err error
+		if r.Checkpoints, err = idem.DecodeCheckpoints([]byte(b)); err != nil {
 			return idem.Record{}, err
 		}
 	}

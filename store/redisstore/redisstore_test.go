@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -352,7 +353,7 @@ func TestTTLAndPendingSet(t *testing.T) {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown under the old token", r, err)
 	}
 	checkUnsettled(t, s, client, "crashed", t0.Add(lease))
-	if stored, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "crashed", Now: t0.Add(lease)}); err != nil || stored != r {
+	if stored, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "crashed", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, r) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, r)
 	}
 	// Its owner declaring it unknown later does not move it either.
@@ -376,7 +377,7 @@ func TestTTLAndPendingSet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if stored != taken || !stored.Updated.Equal(later) || !stored.Created.Equal(t0) || !stored.LeaseExpires.Equal(later.Add(lease)) {
+	if !reflect.DeepEqual(stored, taken) || !stored.Updated.Equal(later) || !stored.Created.Equal(t0) || !stored.LeaseExpires.Equal(later.Add(lease)) {
 		t.Fatalf("stored after takeover = %+v, Acquire returned %+v", stored, taken)
 	}
 	checkUnsettled(t, s, client, "safe", later.Add(lease))
@@ -404,6 +405,65 @@ func TestTTLAndPendingSet(t *testing.T) {
 		t.Fatalf("re-run over a failed record: fence %d, want 2", rerun.Fence)
 	}
 	checkUnsettled(t, s, client, "released", t0.Add(time.Second+lease))
+}
+
+// TestCheckpointsKeptAndDropped follows a record's checkpoints through the
+// acquire script: the UNKNOWN transition and settling keep them, and so does
+// the record Acquire returns; a re-creation over an expired record drops them.
+// A checkpoint leaves the pending score alone.
+func TestCheckpointsKeptAndDropped(t *testing.T) {
+	t.Parallel()
+	client := testClient(t)
+	s := newTestStore(t, client, 4)
+	ctx := context.Background()
+	const lease = 30 * time.Second
+	names := func(r idem.Record) string {
+		var n []string
+		for _, c := range r.Checkpoints {
+			n = append(n, c.Name)
+		}
+		return strings.Join(n, " ")
+	}
+
+	r := acquire(t, s, "s", "k", t0, lease)
+	binary := []byte{0, '\n', 0xff, '"'}
+	for i, name := range []string{"authorize", "capture"} {
+		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
+			Now: t0.Add(time.Duration(i+1) * time.Second), Name: name, Data: binary}); err != nil {
+			t.Fatalf("Checkpoint %s: %v", name, err)
+		}
+	}
+	checkUnsettled(t, s, client, "k", t0.Add(lease))
+	stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || names(stored) != "authorize capture" || !stored.Updated.Equal(t0.Add(2*time.Second)) ||
+		!stored.Checkpoints[1].At.Equal(t0.Add(2*time.Second)) || string(stored.Checkpoints[1].Data) != string(binary) {
+		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
+	}
+
+	unknown, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"),
+		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
+	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
+		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
+	}
+	if stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, unknown) {
+		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
+	}
+	finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
+	replay, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"),
+		Token: strings.Repeat("c", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
+	if err != nil || replay.State != idem.StateCompleted || names(replay) != "authorize capture" {
+		t.Fatalf("replay = %+v, %v; want completed with both checkpoints", replay, err)
+	}
+
+	later := t0.Add(lease + 2*time.Hour)
+	again := acquire(t, s, "s", "k", later, lease)
+	if again.Checkpoints != nil {
+		t.Fatalf("re-created record has checkpoints %+v", again.Checkpoints)
+	}
+	rec, _ := s.keys("s", "k")
+	if n, err := client.HExists(ctx, rec, "cps").Result(); err != nil || n {
+		t.Fatalf("HEXISTS cps after re-creation = %v, %v", n, err)
+	}
 }
 
 // countingHook counts the round trips a client makes: one per command, one
@@ -444,7 +504,7 @@ func countingClient(tb testing.TB) (*redis.Client, *countingHook) {
 func warmUp(tb testing.TB, s *Store) {
 	tb.Helper()
 	ctx := context.Background()
-	for _, script := range []*redis.Script{acquireScript, renewScript, finishScript, scanScript} {
+	for _, script := range []*redis.Script{acquireScript, renewScript, checkpointScript, finishScript, scanScript} {
 		if err := script.Load(ctx, s.client).Err(); err != nil {
 			tb.Fatal(err)
 		}
@@ -483,6 +543,11 @@ func TestRoundTrips(t *testing.T) {
 	cost("Renew", 1, func() error {
 		return s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(2 * time.Minute)})
 	})
+	for i := range 2 {
+		cost("Checkpoint "+strconv.Itoa(i+1), 1, func() error {
+			return s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: t0, Name: "step", Data: []byte("x")})
+		})
+	}
 	resp := &idem.Response{Status: 201, Body: []byte("ok")}
 	cost("Finish", 1, func() error {
 		return s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: tok, Now: t0, State: idem.StateCompleted,

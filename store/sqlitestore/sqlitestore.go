@@ -151,7 +151,7 @@ func (s *Store) migrate(ctx context.Context) error {
 	})
 }
 
-const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires`
+const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
 
 // Acquire implements [idem.Store].
 func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
@@ -192,6 +192,14 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 		return err
 	}
 	return s.update(ctx, nil, "renew", p.Scope, p.Key, p.Apply)
+}
+
+// Checkpoint implements [idem.Store].
+func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	return s.update(ctx, nil, "checkpoint", p.Scope, p.Key, p.Apply)
 }
 
 // Finish implements [idem.Store].
@@ -353,12 +361,12 @@ func put(ctx context.Context, tx *sql.Tx, r *idem.Record, exists bool) error {
 		expires = r.Expires.UnixNano()
 	}
 	args := []any{string(r.State), string(r.Fingerprint), r.Token, r.Fence, r.LeaseExpires.UnixNano(),
-		r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires, r.Scope, r.Key}
+		r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires, idem.EncodeCheckpoints(r.Checkpoints), r.Scope, r.Key}
 	query := `UPDATE idem_records SET state = ?, fingerprint = ?, token = ?, fence = ?, lease_expires = ?,
-		takeover_safe = ?, response = ?, created = ?, updated = ?, expires = ? WHERE scope = ? AND key = ?`
+		takeover_safe = ?, response = ?, created = ?, updated = ?, expires = ?, checkpoints = ? WHERE scope = ? AND key = ?`
 	if !exists {
 		query = `INSERT INTO idem_records (state, fingerprint, token, fence, lease_expires, takeover_safe,
-			response, created, updated, expires, scope, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+			response, created, updated, expires, checkpoints, scope, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 	}
 	_, err := tx.ExecContext(ctx, query, args...)
 	return err
@@ -370,9 +378,9 @@ func scanRecord(row interface{ Scan(...any) error }) (*idem.Record, error) {
 		state, fingerprint      string
 		lease, created, updated int64
 		expires                 sql.NullInt64
-		resp                    []byte
+		resp, checkpoints       []byte
 	)
-	err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &lease, &r.TakeoverSafe, &resp, &created, &updated, &expires)
+	err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &lease, &r.TakeoverSafe, &resp, &created, &updated, &expires, &checkpoints)
 	if err != nil {
 		return nil, err
 	}
@@ -380,6 +388,9 @@ func scanRecord(row interface{ Scan(...any) error }) (*idem.Record, error) {
 	r.LeaseExpires, r.Created, r.Updated = time.Unix(0, lease), time.Unix(0, created), time.Unix(0, updated)
 	if expires.Valid {
 		r.Expires = time.Unix(0, expires.Int64)
+	}
+	if r.Checkpoints, err = idem.DecodeCheckpoints(checkpoints); err != nil {
+		return nil, err
 	}
 	if resp != nil {
 		r.Response = new(idem.Response)

@@ -57,6 +57,9 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"InvalidInput", testInvalidInput},
 		{"MissingRecord", testMissingRecord},
 		{"CanceledContext", testCanceledContext},
+		{"CheckpointsRecorded", testCheckpointsRecorded},
+		{"CheckpointEndsTakeover", testCheckpointEndsTakeover},
+		{"CheckpointNeedsRunningLease", testCheckpointNeedsRunningLease},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -764,4 +767,140 @@ func testCanceledContext(t *testing.T, h *harness) {
 	wantErr(t, "Begin with a canceled context", err, context.Canceled)
 	_, err = h.eng.Get(ctx, "", "k")
 	wantErr(t, "Get after a canceled Begin", err, idem.ErrNotFound)
+}
+
+func testCheckpointsRecorded(t *testing.T, h *harness) {
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a"), TakeoverSafe: true})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	l := out.Lease
+	t0 := h.clock.Now()
+	binary := []byte{0, 1, 2, 0xff, '\n', '"', '\\'}
+	if err := h.eng.Checkpoint(ctx, l, "authorize", []byte(l.DownstreamKey("authorize"))); err != nil {
+		t.Fatalf("Checkpoint: %v", err)
+	}
+	h.clock.Advance(time.Second)
+	if err := h.eng.Checkpoint(ctx, l, "capture", binary); err != nil {
+		t.Fatalf("second Checkpoint: %v", err)
+	}
+	want := []idem.Checkpoint{
+		{Name: "authorize", Data: []byte(l.DownstreamKey("authorize")), At: t0},
+		{Name: "capture", Data: binary, At: t0.Add(time.Second)},
+	}
+	sameCheckpoints := func(what string, got []idem.Checkpoint) {
+		t.Helper()
+		if len(got) != len(want) {
+			t.Fatalf("%s: %d checkpoints, want %d", what, len(got), len(want))
+		}
+		for i := range want {
+			if got[i].Name != want[i].Name || !bytes.Equal(got[i].Data, want[i].Data) || !got[i].At.Equal(want[i].At) {
+				t.Fatalf("%s: checkpoint %d = %+v, want %+v", what, i, got[i], want[i])
+			}
+		}
+	}
+	r := h.get(t, "s", "k")
+	sameCheckpoints("stored", r.Checkpoints)
+	if r.TakeoverSafe || !r.Updated.Equal(t0.Add(time.Second)) {
+		t.Fatalf("after a checkpoint: takeover safe %v, updated %v", r.TakeoverSafe, r.Updated)
+	}
+	if r.DownstreamKey("authorize") != l.DownstreamKey("authorize") {
+		t.Fatal("the record and its lease derive different downstream keys")
+	}
+	h.complete(t, l, okResponse("charged"))
+	sameCheckpoints("after completion", h.get(t, "s", "k").Checkpoints)
+	sameCheckpoints("on the replayed record", h.expect(t, "s", "k", fp("a"), idem.Replay).Record.Checkpoints)
+	h.clock.Advance(retention) // expired: the key starts over, with no checkpoints
+	if out := h.begin(t, "s", "k", fp("a")); out.Decision != idem.Execute || len(out.Record.Checkpoints) != 0 || len(h.get(t, "s", "k").Checkpoints) != 0 {
+		t.Fatalf("re-created over an expired record: %v with %d checkpoints", out.Decision, len(out.Record.Checkpoints))
+	}
+
+	// Unsettled records reach the reconciler with their checkpoints.
+	u := h.mustExecute(t, "s", "u", fp("a"))
+	if err := h.eng.Checkpoint(ctx, u, "authorize", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	h.clock.Advance(lease)
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var scanned *idem.Record
+	for i := range res.Records {
+		if res.Records[i].Key == "u" {
+			scanned = &res.Records[i]
+		}
+	}
+	if scanned == nil || len(scanned.Checkpoints) != 1 || scanned.Checkpoints[0].Name != "authorize" {
+		t.Fatalf("Scan = %+v; want the record u with its checkpoint", res.Records)
+	}
+
+	// A re-run after a release starts with no checkpoints.
+	f := h.mustExecute(t, "s", "f", fp("a"))
+	if err := h.eng.Checkpoint(ctx, f, "authorize", nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.eng.Release(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	h.mustExecute(t, "s", "f", fp("a"))
+	if cps := h.get(t, "s", "f").Checkpoints; len(cps) != 0 {
+		t.Fatalf("re-run record kept %d checkpoints", len(cps))
+	}
+}
+
+func testCheckpointEndsTakeover(t *testing.T, h *harness) {
+	begin := func() idem.Outcome {
+		t.Helper()
+		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a"), TakeoverSafe: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	l := begin().Lease
+	if err := h.eng.Checkpoint(ctx, l, "authorize", nil); err != nil {
+		t.Fatal(err)
+	}
+	h.clock.Advance(lease)
+	// The work left the database: its expiry is uncertain, not a takeover.
+	if out := begin(); out.Decision != idem.Uncertain {
+		t.Fatalf("after a checkpoint and an expired lease: %v, want uncertain", out.Decision)
+	}
+	if r := h.get(t, "s", "k"); r.State != idem.StateUnknown || r.Token != l.Token {
+		t.Fatalf("record = %+v", r)
+	}
+}
+
+func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", fp("a"))
+	forged := l
+	forged.Token = strings.Repeat("0", 32)
+	wantErr(t, "Checkpoint with a forged token", h.eng.Checkpoint(ctx, forged, "x", nil), idem.ErrLeaseLost)
+	ghost := l
+	ghost.Key = "absent"
+	wantErr(t, "Checkpoint of a missing record", h.eng.Checkpoint(ctx, ghost, "x", nil), idem.ErrLeaseLost)
+	for name, c := range map[string]struct {
+		name string
+		data []byte
+	}{
+		"empty name":    {"", nil},
+		"long name":     {strings.Repeat("n", idem.MaxCheckpointName+1), nil},
+		"name with tab": {"a\tb", nil},
+		"too much data": {"x", make([]byte, idem.MaxCheckpointData+1)},
+	} {
+		wantErr(t, "Checkpoint with "+name, h.eng.Checkpoint(ctx, l, c.name, c.data), idem.ErrInvalid)
+	}
+	if err := h.eng.Checkpoint(ctx, l, strings.Repeat("n", idem.MaxCheckpointName), make([]byte, idem.MaxCheckpointData)); err != nil {
+		t.Fatalf("Checkpoint at the limits: %v", err)
+	}
+	h.clock.Advance(lease) // exactly at expiry: too late
+	wantErr(t, "Checkpoint at expiry", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
+	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	wantErr(t, "Checkpoint of an unknown record", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
+	h.complete(t, l, okResponse("late"))
+	wantErr(t, "Checkpoint after completion", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
+	if n := len(h.get(t, "s", "k").Checkpoints); n != 1 {
+		t.Fatalf("%d checkpoints stored, want only the valid one", n)
+	}
 }

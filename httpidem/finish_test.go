@@ -1,0 +1,105 @@
+package httpidem_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/store/sqlitestore"
+)
+
+// ledgerApp debits a ledger and completes the record in one SQLite
+// transaction, through httpidem.Finish.
+type ledgerApp struct {
+	store      *sqlitestore.Store
+	failCommit atomic.Bool // the commit fails: the transaction rolls back
+}
+
+func (a *ledgerApp) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	tx, err := a.store.DB().BeginTx(ctx, nil)
+	if err != nil {
+		http.Error(w, err.Error(), 503)
+		return
+	}
+	defer tx.Rollback()
+	key := r.Header.Get("Idempotency-Key")
+	if _, err := tx.ExecContext(ctx, `INSERT INTO ledger (idem_key, amount) VALUES (?, -100)`, key); err != nil {
+		http.Error(w, err.Error(), 500)
+		return
+	}
+	resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}, "Set-Cookie": {"s=1"}},
+		Body: []byte(`{"debited":100}`)}
+	err = httpidem.Finish(w, r, resp, func(p idem.FinishParams) error {
+		if err := a.store.FinishTx(ctx, tx, p); err != nil {
+			return err
+		}
+		if a.failCommit.Load() {
+			return errors.New("commit failed: disk full")
+		}
+		return tx.Commit()
+	})
+	if err != nil {
+		httpidem.NothingHappened(r) // rolled back: let the retry run
+		http.Error(w, "try again", 503)
+	}
+}
+
+func TestFinishCommitsWithBusinessWrites(t *testing.T) {
+	store, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, err := store.DB().Exec(`CREATE TABLE ledger (idem_key TEXT, amount INTEGER)`); err != nil {
+		t.Fatal(err)
+	}
+	app := &ledgerApp{store: store}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, store), TakeoverSafe: true}, app)
+	debits := func(key string) int {
+		var n int
+		if err := store.DB().QueryRow(`SELECT count(*) FROM ledger WHERE idem_key = ?`, key).Scan(&n); err != nil && !errors.Is(err, sql.ErrNoRows) {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	first := send(t, srv, "POST", "/debit", "k1", "x")
+	again := send(t, srv, "POST", "/debit", "k1", "x")
+	if first.status != 201 || first.header.Get("Set-Cookie") != "s=1" || first.header.Get(httpidem.HeaderExpires) == "" {
+		t.Fatalf("first answer %d %v", first.status, first.header)
+	}
+	if again.status != 201 || again.body != `{"debited":100}` || again.header.Get("Idempotent-Replayed") != "true" || again.header.Get("Set-Cookie") != "" {
+		t.Fatalf("replay %d %q %v", again.status, again.body, again.header)
+	}
+	if debits("k1") != 1 {
+		t.Fatalf("k1 debited %d times", debits("k1"))
+	}
+
+	app.failCommit.Store(true)
+	if r := send(t, srv, "POST", "/debit", "k2", "x"); r.status != 503 || debits("k2") != 0 {
+		t.Fatalf("failed commit: %d, %d debits", r.status, debits("k2"))
+	}
+	app.failCommit.Store(false)
+	if r := send(t, srv, "POST", "/debit", "k2", "x"); r.status != 201 || debits("k2") != 1 {
+		t.Fatalf("retry after a rolled-back attempt: %d, %d debits", r.status, debits("k2"))
+	}
+}
+
+func TestFinishOutsideMiddleware(t *testing.T) {
+	r := httptest.NewRequest("POST", "/", nil)
+	err := httpidem.Finish(httptest.NewRecorder(), r, &idem.Response{Status: 200}, func(idem.FinishParams) error {
+		t.Fatal("commit called outside the middleware")
+		return nil
+	})
+	if !errors.Is(err, httpidem.ErrNoCall) {
+		t.Fatalf("err = %v", err)
+	}
+}

@@ -1,0 +1,106 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/payments"
+	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/reconcile"
+)
+
+// runDemo serves the reference payments service, a simulated card acquirer
+// (unless --acquirer names one) and a reconciler, on loopback.
+func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem demo", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	listen := fs.String("listen", "127.0.0.1:8080", "address of the payments API")
+	acquirerURL := fs.String("acquirer", "", "URL of a card acquirer to use instead of starting the simulated one")
+	acquirerListen := fs.String("acquirer-listen", "127.0.0.1:8090", "address of the simulated acquirer")
+	store := fs.String("store", "sqlite:idem-demo.db", "store DSN; the ledger lives in the same database (sqlite:PATH or postgres://…)")
+	lease := fs.Duration("lease", idem.DefaultLease, "lease length")
+	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner")
+	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	fail := func(err error) int {
+		fmt.Fprintln(stderr, "idem demo:", err)
+		return 1
+	}
+
+	opened, err := storeopen.Open(ctx, *store)
+	if err != nil {
+		return fail(err)
+	}
+	defer opened.Close()
+	db, err := payments.NewDB(opened.Store, opened.PGPool)
+	if err != nil {
+		return fail(err)
+	}
+	eng, err := idem.New(idem.Config{Store: opened.Store, Lease: *lease})
+	if err != nil {
+		return fail(err)
+	}
+	servers := []*http.Server{}
+	serve := func(addr string, h http.Handler) (string, error) {
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			return "", err
+		}
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, srv)
+		go srv.Serve(ln)
+		return "http://" + ln.Addr().String(), nil
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		for _, s := range servers {
+			s.Shutdown(sctx)
+		}
+	}()
+	if *acquirerURL == "" {
+		if *acquirerURL, err = serve(*acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
+			return fail(err)
+		}
+		fmt.Fprintf(stdout, "simulated card acquirer on %s (switch faults with PUT %s/faults)\n", *acquirerURL, *acquirerURL)
+	}
+	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: *acquirerURL, Logger: log})
+	if err != nil {
+		return fail(err)
+	}
+	if err := svc.Migrate(ctx); err != nil {
+		return fail(err)
+	}
+	h, err := svc.Handler()
+	if err != nil {
+		return fail(err)
+	}
+	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: *grace, Interval: *every, Logger: log})
+	if err != nil {
+		return fail(err)
+	}
+	rec.Start(ctx)
+	defer rec.Stop()
+	api, err := serve(*listen, h)
+	if err != nil {
+		return fail(err)
+	}
+	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
+	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
+	<-ctx.Done()
+	return 0
+}

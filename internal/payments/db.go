@@ -1,0 +1,169 @@
+package payments
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/pgstore"
+	"github.com/idemhq/idem/store/sqlitestore"
+)
+
+// DB is the database the ledger shares with the idempotency records, so that
+// a debit and the record's completion commit in one transaction.
+type DB interface {
+	// InTx runs fn in a transaction and commits it when fn returns nil.
+	InTx(ctx context.Context, fn func(Tx) error) error
+	// QueryRow runs a query outside any transaction. Queries use ?
+	// placeholders.
+	QueryRow(ctx context.Context, query string, args ...any) Row
+	// Exec runs a statement outside any transaction.
+	Exec(ctx context.Context, query string, args ...any) error
+}
+
+// Tx is a transaction of a [DB].
+type Tx interface {
+	Exec(ctx context.Context, query string, args ...any) error
+	// Finish settles an idempotency record in this transaction.
+	Finish(ctx context.Context, p idem.FinishParams) error
+}
+
+// Row is one result row.
+type Row interface{ Scan(dest ...any) error }
+
+// errNoRows is what Row.Scan returns when there is no row, on every database.
+var errNoRows = errors.New("payments: no rows")
+
+// NewDB returns the ledger's database for the records' store: SQLite's own
+// file, or PostgreSQL's pool (pool must be the store's).
+func NewDB(store idem.Store, pool *pgxpool.Pool) (DB, error) {
+	switch s := store.(type) {
+	case *sqlitestore.Store:
+		return sqliteDB{s}, nil
+	case *pgstore.Store:
+		if pool == nil {
+			return nil, errors.New("payments: PostgreSQL store without its pool")
+		}
+		return pgDB{store: s, pool: pool}, nil
+	}
+	return nil, fmt.Errorf("payments: the ledger needs a SQLite or PostgreSQL store, not %T", store)
+}
+
+type sqliteDB struct{ s *sqlitestore.Store }
+
+type sqliteTx struct {
+	s  *sqlitestore.Store
+	tx *sql.Tx
+}
+
+type sqlRow struct{ *sql.Row }
+
+func (r sqlRow) Scan(dest ...any) error {
+	if err := r.Row.Scan(dest...); errors.Is(err, sql.ErrNoRows) {
+		return errNoRows
+	} else {
+		return err
+	}
+}
+
+func (d sqliteDB) InTx(ctx context.Context, fn func(Tx) error) error {
+	tx, err := d.s.DB().BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback()
+	if err := fn(sqliteTx{d.s, tx}); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+func (d sqliteDB) QueryRow(ctx context.Context, q string, args ...any) Row {
+	return sqlRow{d.s.DB().QueryRowContext(ctx, q, args...)}
+}
+
+func (d sqliteDB) Exec(ctx context.Context, q string, args ...any) error {
+	_, err := d.s.DB().ExecContext(ctx, q, args...)
+	return err
+}
+
+func (t sqliteTx) Exec(ctx context.Context, q string, args ...any) error {
+	_, err := t.tx.ExecContext(ctx, q, args...)
+	return err
+}
+
+func (t sqliteTx) Finish(ctx context.Context, p idem.FinishParams) error {
+	return t.s.FinishTx(ctx, t.tx, p)
+}
+
+type pgDB struct {
+	store *pgstore.Store
+	pool  *pgxpool.Pool
+}
+
+type pgTx struct {
+	store *pgstore.Store
+	tx    pgx.Tx
+}
+
+type pgRow struct{ pgx.Row }
+
+func (r pgRow) Scan(dest ...any) error {
+	if err := r.Row.Scan(dest...); errors.Is(err, pgx.ErrNoRows) {
+		return errNoRows
+	} else {
+		return err
+	}
+}
+
+// rebind turns ? placeholders into PostgreSQL's $1, $2, ….
+func rebind(q string) string {
+	var b strings.Builder
+	n := 0
+	for _, c := range q {
+		if c == '?' {
+			n++
+			b.WriteString("$" + strconv.Itoa(n))
+			continue
+		}
+		b.WriteRune(c)
+	}
+	return b.String()
+}
+
+func (d pgDB) InTx(ctx context.Context, fn func(Tx) error) error {
+	tx, err := d.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx)
+	if err := fn(pgTx{d.store, tx}); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+func (d pgDB) QueryRow(ctx context.Context, q string, args ...any) Row {
+	return pgRow{d.pool.QueryRow(ctx, rebind(q), args...)}
+}
+
+func (d pgDB) Exec(ctx context.Context, q string, args ...any) error {
+	_, err := d.pool.Exec(ctx, rebind(q), args...)
+	return err
+}
+
+func (t pgTx) Exec(ctx context.Context, q string, args ...any) error {
+	_, err := t.tx.Exec(ctx, rebind(q), args...)
+	return err
+}
+
+func (t pgTx) Finish(ctx context.Context, p idem.FinishParams) error {
+	return t.store.FinishTx(ctx, t.tx, p)
+}

@@ -1,0 +1,294 @@
+// Package reconcile settles records whose outcome nobody knows: UNKNOWN
+// records, and IN_PROGRESS records whose owner stopped renewing its lease (it
+// crashed, or lost its store). For each, a [Resolver] asks the world what
+// really happened — typically the downstream service, by the downstream
+// idempotency key the owner recorded in a checkpoint — and the reconciler
+// stores the answer: COMPLETED with the response a retry will replay, or
+// FAILED, which lets the retry run.
+//
+// Several reconcilers may run at once, on any number of instances: every
+// settlement is a compare-and-set on the record's lease token, so each
+// record is settled once, and an owner that comes back late cannot overwrite
+// the reconciler's answer (nor the reconciler the owner's).
+//
+// The work is a synchronous [Reconciler.RunOnce]; [Reconciler.Start] runs it
+// every [Config.Interval] until [Reconciler.Stop].
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/idemhq/idem"
+)
+
+// Defaults for [Config].
+const (
+	// DefaultGrace is how long past its lease an IN_PROGRESS record is left
+	// to its owner before the reconciler steps in.
+	DefaultGrace = time.Minute
+	// DefaultInterval is how often Start runs a pass.
+	DefaultInterval = 30 * time.Second
+	// DefaultPageSize is how many records a pass reads at a time.
+	DefaultPageSize = 100
+)
+
+// Outcome is what a resolver found.
+type Outcome int
+
+// The outcomes a [Resolver] reports.
+const (
+	// StillUnknown: the world cannot tell yet; look again on a later pass.
+	StillUnknown Outcome = iota
+	// Completed: the effect happened; Resolution.Response is what retries
+	// will replay.
+	Completed
+	// Failed: the effect did not happen; the key is released and the next
+	// retry runs.
+	Failed
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Completed:
+		return "completed"
+	case Failed:
+		return "failed"
+	}
+	return "unknown"
+}
+
+// Resolution is a resolver's answer for one record.
+type Resolution struct {
+	Outcome Outcome
+	// Response is the outcome to replay when Outcome is Completed.
+	Response *idem.Response
+	// Commit, when set, settles the record itself instead of the
+	// reconciler: it must run the store's transactional finish (pgstore's
+	// or sqlitestore's FinishTx) with the params it gets, together with the
+	// business writes the outcome implies (the ledger debit for a charge the
+	// acquirer confirms), and commit. [idem.ErrLeaseLost] from it means the
+	// record was settled by someone else first.
+	Commit func(ctx context.Context, p idem.FinishParams) error
+}
+
+// Resolver finds out what happened to a record's side effect. The record
+// carries its checkpoints and its downstream keys ([idem.Record.DownstreamKey]).
+type Resolver interface {
+	Resolve(ctx context.Context, rec idem.Record) (Resolution, error)
+}
+
+// ResolverFunc adapts a function to [Resolver].
+type ResolverFunc func(ctx context.Context, rec idem.Record) (Resolution, error)
+
+// Resolve calls f.
+func (f ResolverFunc) Resolve(ctx context.Context, rec idem.Record) (Resolution, error) {
+	return f(ctx, rec)
+}
+
+// Config configures a [Reconciler].
+type Config struct {
+	// Engine reads and settles the records. Required.
+	Engine *idem.Engine
+	// Resolver answers for each record. Required.
+	Resolver Resolver
+	// Grace leaves an IN_PROGRESS record to its owner this long past its
+	// lease, so that a slow owner whose renewals failed can still finish
+	// (its context is cancelled when its lease runs out; its last call
+	// downstream may still land). Make it longer than the downstream calls'
+	// timeouts. Defaults to [DefaultGrace].
+	Grace time.Duration
+	// Interval is the time between passes under Start. Defaults to
+	// [DefaultInterval].
+	Interval time.Duration
+	// PageSize is how many records a pass reads at a time. Defaults to
+	// [DefaultPageSize].
+	PageSize int
+	// Logger receives a line per settled record and per error. Defaults to
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// Reconciler settles stale records. It is safe for concurrent use.
+type Reconciler struct {
+	cfg  Config
+	log  *slog.Logger
+	mu   sync.Mutex
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// New checks cfg and returns a reconciler.
+func New(cfg Config) (*Reconciler, error) {
+	if cfg.Engine == nil || cfg.Resolver == nil {
+		return nil, fmt.Errorf("%w: reconcile: config needs an engine and a resolver", idem.ErrInvalid)
+	}
+	if cfg.Grace < 0 || cfg.Interval < 0 || cfg.PageSize < 0 {
+		return nil, fmt.Errorf("%w: reconcile: negative grace, interval or page size", idem.ErrInvalid)
+	}
+	if cfg.Grace == 0 {
+		cfg.Grace = DefaultGrace
+	}
+	if cfg.Interval == 0 {
+		cfg.Interval = DefaultInterval
+	}
+	if cfg.PageSize == 0 {
+		cfg.PageSize = DefaultPageSize
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Reconciler{cfg: cfg, log: log}, nil
+}
+
+// Report counts what a pass did.
+type Report struct {
+	// Stale is how many stale records the pass saw.
+	Stale int
+	// Waiting were IN_PROGRESS records still inside their grace period.
+	Waiting int
+	// Completed and Failed were settled by this pass.
+	Completed, Failed int
+	// Unknown are records the resolver could not answer for yet.
+	Unknown int
+	// Lost were settled by someone else (the owner, another reconciler)
+	// between the scan and this pass's write.
+	Lost int
+	// Errors are records the pass could not handle; see the log.
+	Errors int
+}
+
+// RunOnce makes one pass over the stale records and returns what it did. It
+// returns an error only when the store cannot be scanned; a record that
+// fails is counted and logged, and the pass goes on.
+func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
+	var rep Report
+	cursor := ""
+	for {
+		page, err := r.cfg.Engine.Scan(ctx, r.cfg.PageSize, cursor)
+		if err != nil {
+			return rep, fmt.Errorf("reconcile: scanning: %w", err)
+		}
+		for _, rec := range page.Records {
+			rep.Stale++
+			r.settle(ctx, rec, &rep)
+		}
+		if cursor = page.Cursor; cursor == "" {
+			return rep, nil
+		}
+	}
+}
+
+func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
+	eng := r.cfg.Engine
+	log := r.log.With("scope", rec.Scope, "key_hash", idem.NotifyID(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
+	if rec.State == idem.StateInProgress && eng.Now().Before(rec.LeaseExpires.Add(r.cfg.Grace)) {
+		rep.Waiting++
+		return
+	}
+	var res Resolution
+	if rec.State == idem.StateInProgress && rec.TakeoverSafe {
+		// All of its effects commit with the record, which never committed:
+		// nothing happened.
+		res = Resolution{Outcome: Failed}
+	} else {
+		var err error
+		if res, err = r.cfg.Resolver.Resolve(ctx, rec); err != nil {
+			rep.Errors++
+			log.Error("reconcile: resolver failed", "err", err)
+			return
+		}
+	}
+	lease := idem.Lease{Scope: rec.Scope, Key: rec.Key, Token: rec.Token, Fence: rec.Fence, Fingerprint: rec.Fingerprint}
+	var p idem.FinishParams
+	switch res.Outcome {
+	case Completed:
+		if res.Response == nil {
+			rep.Errors++
+			log.Error("reconcile: resolver said completed without a response")
+			return
+		}
+		p = eng.FinishParams(lease, idem.StateCompleted, res.Response)
+	case Failed:
+		p = eng.FinishParams(lease, idem.StateFailed, nil)
+	default:
+		rep.Unknown++
+		if rec.State == idem.StateInProgress {
+			// Say so on the record: retries get operation-uncertain.
+			p = eng.FinishParams(lease, idem.StateUnknown, nil)
+			if err := eng.Store().Finish(ctx, p); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
+				log.Warn("reconcile: marking unknown", "err", err)
+			}
+		}
+		return
+	}
+	var err error
+	if res.Commit != nil {
+		err = res.Commit(ctx, p)
+	} else {
+		err = eng.Store().Finish(ctx, p)
+	}
+	switch {
+	case errors.Is(err, idem.ErrLeaseLost):
+		rep.Lost++
+		return
+	case err != nil:
+		rep.Errors++
+		log.Error("reconcile: settling", "outcome", res.Outcome, "err", err)
+		return
+	}
+	eng.Settled(ctx, rec.Scope, rec.Key)
+	if res.Outcome == Completed {
+		rep.Completed++
+	} else {
+		rep.Failed++
+	}
+	log.Info("reconcile: settled", "outcome", res.Outcome)
+}
+
+// Start runs a pass now and then every Interval, in the background, until
+// Stop or ctx ends. Starting a running reconciler does nothing.
+func (r *Reconciler) Start(ctx context.Context) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stop != nil {
+		return
+	}
+	ctx, r.stop = context.WithCancel(ctx)
+	r.done = make(chan struct{})
+	go func() {
+		defer close(r.done)
+		ticker := time.NewTicker(r.cfg.Interval)
+		defer ticker.Stop()
+		for {
+			if rep, err := r.RunOnce(ctx); err != nil && ctx.Err() == nil {
+				r.log.Error("reconcile: pass failed", "err", err)
+			} else if rep.Completed+rep.Failed+rep.Unknown+rep.Errors > 0 {
+				r.log.Info("reconcile: pass", "stale", rep.Stale, "completed", rep.Completed, "failed", rep.Failed,
+					"unknown", rep.Unknown, "waiting", rep.Waiting, "lost", rep.Lost, "errors", rep.Errors)
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-ticker.C:
+			}
+		}
+	}()
+}
+
+// Stop ends the background passes and waits for the one under way.
+func (r *Reconciler) Stop() {
+	r.mu.Lock()
+	stop, done := r.stop, r.done
+	r.stop = nil
+	r.mu.Unlock()
+	if stop != nil {
+		stop()
+		<-done
+	}
+}

@@ -1,0 +1,277 @@
+package reconcile_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+var ctx = context.Background()
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+type world struct {
+	eng   *idem.Engine
+	clock *storetest.Clock
+}
+
+func newWorld(t *testing.T) *world {
+	t.Helper()
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	eng, err := idem.New(idem.Config{Store: memstore.New(), Clock: clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &world{eng: eng, clock: clock}
+}
+
+func payload(key string) idem.Fingerprint {
+	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges", Body: []byte(key)})
+}
+
+// begin starts a request under key and checkpoints it, as a handler does
+// before calling the acquirer; the caller then lets it die.
+func (w *world) begin(t *testing.T, key string, takeoverSafe bool) idem.Lease {
+	t.Helper()
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload(key), TakeoverSafe: takeoverSafe})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin(%s) = %v, %v", key, out.Decision, err)
+	}
+	if !takeoverSafe {
+		if err := w.eng.Checkpoint(ctx, out.Lease, "authorize", []byte(out.Lease.DownstreamKey("authorize"))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out.Lease
+}
+
+func (w *world) reconciler(t *testing.T, res reconcile.Resolver) *reconcile.Reconciler {
+	t.Helper()
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Resolver: res, Grace: time.Minute, PageSize: 7, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func (w *world) decide(t *testing.T, key string) idem.Outcome {
+	t.Helper()
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload(key)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// acquirer answers by downstream key, as a card acquirer's lookup API does.
+type acquirer map[string]reconcile.Outcome
+
+func (a acquirer) Resolve(ctx context.Context, rec idem.Record) (reconcile.Resolution, error) {
+	if len(rec.Checkpoints) == 0 || string(rec.Checkpoints[0].Data) != rec.DownstreamKey("authorize") {
+		return reconcile.Resolution{}, errors.New("no authorize checkpoint")
+	}
+	switch a[rec.DownstreamKey("authorize")] {
+	case reconcile.Completed:
+		return reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: 201, Body: []byte("charged " + rec.Key)}}, nil
+	case reconcile.Failed:
+		return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+	}
+	return reconcile.Resolution{Outcome: reconcile.StillUnknown}, nil
+}
+
+func TestRunOnceSettlesByAskingTheWorld(t *testing.T) {
+	w := newWorld(t)
+	charged, declined := w.begin(t, "charged", false), w.begin(t, "never-sent", false)
+	w.begin(t, "silent", false)                              // the acquirer will not know this one yet
+	if err := w.eng.MarkUnknown(ctx, declined); err != nil { // a panic mid-call, say
+		t.Fatal(err)
+	}
+	w.clock.Advance(30*time.Second + time.Minute) // past every lease and the grace
+	w.begin(t, "recent", false)
+	w.clock.Advance(31 * time.Second) // its lease is over, its grace is not
+	world := acquirer{charged.DownstreamKey("authorize"): reconcile.Completed, declined.DownstreamKey("authorize"): reconcile.Failed}
+
+	rep, err := w.reconciler(t, world).RunOnce(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (reconcile.Report{Stale: 4, Waiting: 1, Completed: 1, Failed: 1, Unknown: 1}); rep != want {
+		t.Fatalf("report = %+v, want %+v", rep, want)
+	}
+	if out := w.decide(t, "charged"); out.Decision != idem.Replay || string(out.Record.Response.Body) != "charged charged" {
+		t.Fatalf("charged: %v", out.Decision)
+	}
+	if out := w.decide(t, "never-sent"); out.Decision != idem.Execute {
+		t.Fatalf("a charge that never happened: %v, want the retry to run", out.Decision)
+	}
+	if out := w.decide(t, "silent"); out.Decision != idem.Uncertain || out.Record.State != idem.StateUnknown {
+		t.Fatalf("unanswerable: %v in %v, want uncertain and marked unknown", out.Decision, out.Record.State)
+	}
+	// The late owner cannot overwrite what the reconciler stored.
+	if err := w.eng.Complete(ctx, charged, &idem.Response{Status: 500}); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("late owner's Complete: %v, want ErrLeaseLost", err)
+	}
+}
+
+func TestTakeoverSafeRecordsAreReleased(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "tx", true)
+	w.clock.Advance(2 * time.Minute)
+	rep, err := w.reconciler(t, reconcile.ResolverFunc(func(context.Context, idem.Record) (reconcile.Resolution, error) {
+		t.Fatal("the resolver was asked about work that commits with its record")
+		return reconcile.Resolution{}, nil
+	})).RunOnce(ctx)
+	if err != nil || rep.Failed != 1 {
+		t.Fatalf("report %+v, %v", rep, err)
+	}
+	if out := w.decide(t, "tx"); out.Decision != idem.Execute {
+		t.Fatalf("after release: %v", out.Decision)
+	}
+}
+
+func TestResolverErrorsAndCommit(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "broken", false)
+	w.begin(t, "committed", false)
+	w.clock.Advance(2 * time.Minute)
+	var committed atomic.Int64
+	res := reconcile.ResolverFunc(func(ctx context.Context, rec idem.Record) (reconcile.Resolution, error) {
+		if rec.Key == "broken" {
+			return reconcile.Resolution{}, errors.New("acquirer lookup timed out")
+		}
+		return reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: 201},
+			Commit: func(ctx context.Context, p idem.FinishParams) error {
+				committed.Add(1) // the ledger write would go here, in one transaction
+				return w.eng.Store().Finish(ctx, p)
+			}}, nil
+	})
+	rep, err := w.reconciler(t, res).RunOnce(ctx)
+	if err != nil || rep.Errors != 1 || rep.Completed != 1 || committed.Load() != 1 {
+		t.Fatalf("report %+v, %v, commits %d", rep, err, committed.Load())
+	}
+	if out := w.decide(t, "broken"); out.Decision != idem.Uncertain {
+		t.Fatalf("a record the resolver failed on: %v", out.Decision)
+	}
+}
+
+// TestConcurrentReconcilersSettleOnce: four reconcilers on one store race
+// over the same records; each record is settled exactly once.
+func TestConcurrentReconcilersSettleOnce(t *testing.T) {
+	w := newWorld(t)
+	world := acquirer{}
+	for i := range 60 {
+		l := w.begin(t, fmt.Sprintf("k%02d", i), false)
+		world[l.DownstreamKey("authorize")] = reconcile.Outcome(1 + i%2)
+	}
+	w.clock.Advance(2 * time.Minute)
+	var wg sync.WaitGroup
+	reports := make([]reconcile.Report, 4)
+	for i := range reports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := w.reconciler(t, world)
+			rep, err := r.RunOnce(ctx)
+			if err != nil {
+				t.Error(err)
+			}
+			reports[i] = rep
+		}()
+	}
+	wg.Wait()
+	var settled reconcile.Report
+	for _, r := range reports {
+		settled.Completed += r.Completed
+		settled.Failed += r.Failed
+		settled.Errors += r.Errors
+	}
+	if settled.Completed != 30 || settled.Failed != 30 || settled.Errors != 0 {
+		t.Fatalf("settled %+v over %+v; want each of 60 records settled once", settled, reports)
+	}
+}
+
+func TestStartStop(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "k", false)
+	w.clock.Advance(2 * time.Minute)
+	asked := make(chan struct{}, 10)
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Interval: time.Hour, Logger: quiet,
+		Resolver: reconcile.ResolverFunc(func(context.Context, idem.Record) (reconcile.Resolution, error) {
+			asked <- struct{}{}
+			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Start(ctx)
+	r.Start(ctx) // a second Start does nothing
+	<-asked      // the first pass runs at once
+	r.Stop()
+	r.Stop()
+	if out := w.decide(t, "k"); out.Decision != idem.Execute {
+		t.Fatalf("after the background pass: %v", out.Decision)
+	}
+}
+
+func TestHTTPResolver(t *testing.T) {
+	var got map[string]any
+	srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		json.NewDecoder(r.Body).Decode(&got)
+		switch got["key"] {
+		case "done":
+			fmt.Fprint(rw, `{"outcome":"completed","status":201,"header":{"Content-Type":["application/json"]},"body":"{\"id\":1}"}`)
+		case "nothing":
+			fmt.Fprint(rw, `{"outcome":"failed"}`)
+		case "odd":
+			fmt.Fprint(rw, `{"outcome":"maybe"}`)
+		case "down":
+			rw.WriteHeader(500)
+		default:
+			fmt.Fprint(rw, `{"outcome":"unknown"}`)
+		}
+	}))
+	defer srv.Close()
+	res := reconcile.HTTPResolver{URL: srv.URL}
+	rec := func(key string) idem.Record {
+		return idem.Record{Key: key, State: idem.StateUnknown, Checkpoints: []idem.Checkpoint{{Name: "authorize", Data: []byte("K")}}}
+	}
+	r, err := res.Resolve(ctx, rec("done"))
+	if err != nil || r.Outcome != reconcile.Completed || r.Response.Status != 201 || string(r.Response.Body) != `{"id":1}` ||
+		r.Response.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("completed: %+v, %v", r, err)
+	}
+	if cps, _ := got["checkpoints"].([]any); len(cps) != 1 || got["state"] != "unknown" {
+		t.Fatalf("the resolver was sent %v", got)
+	}
+	if r, err := res.Resolve(ctx, rec("nothing")); err != nil || r.Outcome != reconcile.Failed {
+		t.Fatalf("failed: %+v, %v", r, err)
+	}
+	if r, err := res.Resolve(ctx, rec("later")); err != nil || r.Outcome != reconcile.StillUnknown {
+		t.Fatalf("unknown: %+v, %v", r, err)
+	}
+	for _, key := range []string{"odd", "down"} {
+		if _, err := res.Resolve(ctx, rec(key)); err == nil {
+			t.Errorf("%s: no error", key)
+		}
+	}
+}
+
+func TestNewValidates(t *testing.T) {
+	if _, err := reconcile.New(reconcile.Config{}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("New without engine: %v", err)
+	}
+}
