@@ -118,8 +118,8 @@ type Reconciler struct {
 	cfg  Config
 	log  *slog.Logger
 	mu   sync.Mutex
-	stop context.CancelFunc
-	done chan struct{}
+	stop chan struct{} // closed by Stop
+	done chan struct{} // closed when the loop has ended
 }
 
 // New checks cfg and returns a reconciler.
@@ -259,10 +259,10 @@ func (r *Reconciler) Start(ctx context.Context) {
 	if r.stop != nil {
 		return
 	}
-	ctx, r.stop = context.WithCancel(ctx)
-	r.done = make(chan struct{})
+	stop, done := make(chan struct{}), make(chan struct{})
+	r.stop, r.done = stop, done
 	go func() {
-		defer close(r.done)
+		defer close(done)
 		ticker := time.NewTicker(r.cfg.Interval)
 		defer ticker.Stop()
 		for {
@@ -275,20 +275,23 @@ func (r *Reconciler) Start(ctx context.Context) {
 			select {
 			case <-ctx.Done():
 				return
+			case <-stop:
+				return
 			case <-ticker.C:
 			}
 		}
 	}()
 }
 
-// Stop ends the background passes and waits for the one under way.
+// Stop ends the background passes: it lets the pass under way finish (what
+// it settles stays settled) and waits for it.
 func (r *Reconciler) Stop() {
 	r.mu.Lock()
 	stop, done := r.stop, r.done
 	r.stop = nil
 	r.mu.Unlock()
 	if stop != nil {
-		stop()
+		close(stop)
 		<-done
 	}
 }
