@@ -30,13 +30,17 @@ const usage = `idem makes side effects behind HTTP APIs happen exactly once.
 Usage:
   idem proxy --upstream URL [--listen ADDR] [--store DSN] [--config FILE] [flags]
   idem demo [--listen ADDR] [--store DSN] [--acquirer URL]
+  idem keys ls|show|resolve|purge [flags]
+  idem reconcile --resolver-url URL [--store DSN] [--once]
   idem echo [--listen ADDR] [--delay D]
   idem help [COMMAND]
 
 Commands:
-  proxy    put the idempotency contract in front of any HTTP API
-  demo     the reference payments service, a simulated card acquirer and a reconciler
-  echo     a toy API that numbers each request it runs, to try idem on
+  proxy      put the idempotency contract in front of any HTTP API
+  demo       the reference payments service, a simulated card acquirer and a reconciler
+  keys       list, inspect, resolve and purge records in any store
+  reconcile  settle stale records by asking a resolver URL what happened
+  echo       a toy API that numbers each request it runs, to try idem on
 
 Run 'idem help proxy' for its flags.
 `
@@ -54,6 +58,10 @@ func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer)
 		return runEcho(ctx, args[1:], stdout, stderr)
 	case "demo":
 		return runDemo(ctx, args[1:], env, stdout, stderr)
+	case "keys":
+		return runKeys(ctx, args[1:], env, stdout, stderr)
+	case "reconcile":
+		return runReconcile(ctx, args[1:], env, stdout, stderr)
 	case "help", "-h", "--help":
 		if len(args) > 1 && args[1] == "proxy" {
 			runProxy(ctx, []string{"-h"}, env, stdout, stdout)

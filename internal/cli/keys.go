@@ -1,0 +1,372 @@
+package cli
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/reconcile"
+)
+
+const keysUsage = `Usage:
+  idem keys ls      [--store DSN] [--state stale|unknown] [--limit N]
+  idem keys show    KEY [--scope S] [--store DSN]
+  idem keys resolve KEY [--scope S] [--store DSN] --failed
+  idem keys resolve KEY [--scope S] [--store DSN] --completed --status N [--body TEXT | --body-file F] [--header 'Name: value']…
+  idem keys purge   --before TIME [--store DSN]      (TIME: RFC 3339, or a duration ago such as 72h)
+
+The store defaults to $IDEM_STORE, then sqlite:idem.db. Scopes are shown and
+given as stored (the proxy stores a SHA-256 of the scope header).
+`
+
+// headerFlags collects repeated --header values.
+type headerFlags http.Header
+
+func (h headerFlags) String() string { return "" }
+func (h headerFlags) Set(v string) error {
+	name, value, ok := strings.Cut(v, ":")
+	if !ok || strings.TrimSpace(name) == "" {
+		return fmt.Errorf("%q: want 'Name: value'", v)
+	}
+	http.Header(h).Add(strings.TrimSpace(name), strings.TrimSpace(value))
+	return nil
+}
+
+// interleaved parses flags that may come before or after positional
+// arguments (idem keys show KEY --scope S).
+func interleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}
+
+func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, keysUsage)
+		return 2
+	}
+	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stdout, keysUsage)
+		return 0
+	}
+	sub := args[0]
+	fs := flag.NewFlagSet("idem keys "+sub, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, keysUsage) }
+	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN")
+	scope := fs.String("scope", "", "the record's scope, as stored")
+	state := fs.String("state", "stale", "ls: stale (unknown, or in progress past its lease) or unknown")
+	limit := fs.Int("limit", 1000, "ls: at most this many records")
+	failed := fs.Bool("failed", false, "resolve: nothing happened; release the key")
+	completed := fs.Bool("completed", false, "resolve: it happened; store this outcome for replay")
+	status := fs.Int("status", 0, "resolve --completed: the HTTP status to replay")
+	body := fs.String("body", "", "resolve --completed: the body to replay")
+	bodyFile := fs.String("body-file", "", "resolve --completed: a file holding the body to replay")
+	force := fs.Bool("force", false, "resolve: even a record whose lease is still running")
+	before := fs.String("before", "", "purge: settled records that expired before this time")
+	header := headerFlags{}
+	fs.Var(header, "header", "resolve --completed: a header to replay, 'Name: value' (repeatable)")
+	pos, err := interleaved(fs, args[1:])
+	if err != nil {
+		return 2
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "idem keys %s: %s\n", sub, fmt.Sprintf(format, a...))
+		return 1
+	}
+	needKey := sub == "show" || sub == "resolve"
+	if needKey != (len(pos) == 1) || (!needKey && len(pos) > 0) {
+		fmt.Fprint(stderr, keysUsage)
+		return 2
+	}
+	opened, err := storeopen.Open(ctx, *store)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer opened.Close()
+	eng, err := idem.New(idem.Config{Store: opened.Store})
+	if err != nil {
+		return fail("%v", err)
+	}
+
+	switch sub {
+	case "ls":
+		if *state != "stale" && *state != "unknown" {
+			return fail("--state %q: want stale or unknown", *state)
+		}
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "SCOPE\tKEY\tSTATE\tFENCE\tLEASE ENDED\tCHECKPOINTS")
+		shown, cursor := 0, ""
+		for shown < *limit {
+			page, err := eng.Scan(ctx, 0, cursor)
+			if err != nil {
+				return fail("%v", err)
+			}
+			for _, r := range page.Records {
+				if (*state == "unknown" && r.State != idem.StateUnknown) || shown == *limit {
+					continue
+				}
+				shown++
+				var cps []string
+				for _, c := range r.Checkpoints {
+					cps = append(cps, c.Name)
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", short(r.Scope), r.Key, r.State, r.Fence,
+					r.LeaseExpires.UTC().Format(time.RFC3339), strings.Join(cps, ","))
+			}
+			if cursor = page.Cursor; cursor == "" {
+				break
+			}
+		}
+		tw.Flush()
+		fmt.Fprintf(stderr, "%d record(s)\n", shown)
+		return 0
+
+	case "show":
+		r, err := eng.Get(ctx, *scope, pos[0])
+		if err != nil {
+			return fail("%v", err)
+		}
+		return printJSON(stdout, recordView(r))
+
+	case "resolve":
+		if *failed == *completed {
+			return fail("say --failed or --completed")
+		}
+		r, err := eng.Get(ctx, *scope, pos[0])
+		if err != nil {
+			return fail("%v", err)
+		}
+		if r.State.Terminal() {
+			return fail("the record is already %s", r.State)
+		}
+		if r.State == idem.StateInProgress && eng.Now().Before(r.LeaseExpires) && !*force {
+			return fail("its owner's lease runs until %s; wait, or say --force", r.LeaseExpires.UTC().Format(time.RFC3339))
+		}
+		lease := idem.Lease{Scope: r.Scope, Key: r.Key, Token: r.Token, Fence: r.Fence, Fingerprint: r.Fingerprint}
+		if *failed {
+			err = eng.Release(ctx, lease)
+		} else {
+			if *status < 100 || *status > 999 {
+				return fail("--completed needs --status, an HTTP status")
+			}
+			b := []byte(*body)
+			if *bodyFile != "" {
+				if b, err = os.ReadFile(*bodyFile); err != nil {
+					return fail("%v", err)
+				}
+			}
+			err = eng.Complete(ctx, lease, &idem.Response{Status: *status, Header: http.Header(header), Body: b})
+		}
+		if errors.Is(err, idem.ErrLeaseLost) {
+			return fail("the record changed meanwhile (settled or taken over); look again with show")
+		}
+		if err != nil {
+			return fail("%v", err)
+		}
+		fmt.Fprintf(stdout, "resolved %s as %s\n", pos[0], map[bool]string{true: "failed: the next retry runs", false: "completed: retries replay it"}[*failed])
+		return 0
+
+	case "purge":
+		t, err := parseBefore(*before, time.Now())
+		if err != nil {
+			return fail("%v", err)
+		}
+		total := 0
+		progress := newProgress(stderr, "purging")
+		for {
+			n, err := opened.Store.Prune(ctx, idem.PruneParams{Now: t, Limit: idem.DefaultPruneLimit})
+			total += n
+			progress.update(total)
+			if err != nil {
+				progress.done()
+				return fail("after %d: %v", total, err)
+			}
+			if n < idem.DefaultPruneLimit {
+				break
+			}
+		}
+		progress.done()
+		fmt.Fprintf(stdout, "purged %d settled record(s) that expired before %s\n", total, t.UTC().Format(time.RFC3339))
+		return 0
+	}
+	fmt.Fprint(stderr, keysUsage)
+	return 2
+}
+
+// parseBefore reads an RFC 3339 time, or a duration meaning that long ago.
+func parseBefore(s string, now time.Time) (time.Time, error) {
+	if s == "" {
+		return time.Time{}, errors.New("--before is required")
+	}
+	if t, err := time.Parse(time.RFC3339, s); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
+		return now.Add(-d), nil
+	}
+	return time.Time{}, fmt.Errorf("--before %q: want an RFC 3339 time or a duration such as 72h", s)
+}
+
+func short(scope string) string {
+	if scope == "" {
+		return "-"
+	}
+	if len(scope) > 16 {
+		return scope[:12] + "…"
+	}
+	return scope
+}
+
+type responseView struct {
+	Status      int         `json:"status"`
+	Header      http.Header `json:"header,omitempty"`
+	Body        string      `json:"body,omitempty"`
+	BodyOmitted bool        `json:"body_omitted,omitempty"`
+}
+
+type checkpointView struct {
+	Name string    `json:"name"`
+	Data string    `json:"data,omitempty"`
+	At   time.Time `json:"at"`
+}
+
+func recordView(r idem.Record) any {
+	v := map[string]any{
+		"scope": r.Scope, "key": r.Key, "state": r.State, "fingerprint": r.Fingerprint, "fence": r.Fence,
+		"lease_expires": r.LeaseExpires.UTC(), "takeover_safe": r.TakeoverSafe,
+		"created": r.Created.UTC(), "updated": r.Updated.UTC(),
+	}
+	if !r.Expires.IsZero() {
+		v["expires"] = r.Expires.UTC()
+	}
+	if r.Response != nil {
+		v["response"] = responseView{Status: r.Response.Status, Header: r.Response.Header, Body: string(r.Response.Body), BodyOmitted: r.Response.BodyOmitted}
+	}
+	var cps []checkpointView
+	for _, c := range r.Checkpoints {
+		cps = append(cps, checkpointView{Name: c.Name, Data: string(c.Data), At: c.At.UTC()})
+	}
+	if cps != nil {
+		v["checkpoints"] = cps
+	}
+	return v
+}
+
+func printJSON(w io.Writer, v any) int {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(v); err != nil {
+		return 1
+	}
+	return 0
+}
+
+// runReconcile runs the reconciler against a store, asking a web service
+// (reconcile.HTTPResolver) what happened to each stale record.
+func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem reconcile", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN")
+	url := fs.String("resolver-url", env("IDEM_RESOLVER_URL"), "URL that answers for stale records (see the reconcile package's HTTPResolver) [$IDEM_RESOLVER_URL]")
+	once := fs.Bool("once", false, "make one pass, print what it did, and exit")
+	grace := fs.Duration("grace", reconcile.DefaultGrace, "how long past its lease a record is left to its owner")
+	every := fs.Duration("interval", reconcile.DefaultInterval, "time between passes")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if *url == "" {
+		fmt.Fprintln(stderr, "idem reconcile: --resolver-url is required")
+		return 2
+	}
+	opened, err := storeopen.Open(ctx, *store)
+	if err != nil {
+		fmt.Fprintln(stderr, "idem reconcile:", err)
+		return 1
+	}
+	defer opened.Close()
+	eng, err := idem.New(idem.Config{Store: opened.Store})
+	if err != nil {
+		fmt.Fprintln(stderr, "idem reconcile:", err)
+		return 1
+	}
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: reconcile.HTTPResolver{URL: *url}, Grace: *grace, Interval: *every,
+		Logger: slog.New(slog.NewTextHandler(stderr, nil))})
+	if err != nil {
+		fmt.Fprintln(stderr, "idem reconcile:", err)
+		return 2
+	}
+	if *once {
+		rep, err := r.RunOnce(ctx)
+		if err != nil {
+			fmt.Fprintln(stderr, "idem reconcile:", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "stale %d: completed %d, failed %d, still unknown %d, waiting %d, settled elsewhere %d, errors %d\n",
+			rep.Stale, rep.Completed, rep.Failed, rep.Unknown, rep.Waiting, rep.Lost, rep.Errors)
+		if rep.Errors > 0 {
+			return 1
+		}
+		return 0
+	}
+	r.Start(ctx)
+	<-ctx.Done()
+	r.Stop()
+	return 0
+}
+
+// progress shows a running count on a terminal, and nothing elsewhere.
+type progress struct {
+	w     io.Writer
+	label string
+	tty   bool
+	last  time.Time
+}
+
+func newProgress(w io.Writer, label string) *progress {
+	f, ok := w.(*os.File)
+	tty := false
+	if ok {
+		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+			tty = true
+		}
+	}
+	return &progress{w: w, label: label, tty: tty}
+}
+
+func (p *progress) update(n int) {
+	if p.tty && time.Since(p.last) > 100*time.Millisecond {
+		p.last = time.Now()
+		fmt.Fprintf(p.w, "\r%s: %s", p.label, strconv.Itoa(n))
+	}
+}
+
+func (p *progress) done() {
+	if p.tty && !p.last.IsZero() {
+		fmt.Fprint(p.w, "\r\033[K")
+	}
+}

@@ -1,0 +1,163 @@
+package cli_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/cli"
+	"github.com/idemhq/idem/store/sqlitestore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+func noEnv(string) string { return "" }
+
+func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errOut strings.Builder
+	code = cli.Main(context.Background(), args, noEnv, &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+var fp = idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges"})
+
+// seed writes records an hour in the past: one completed, one whose owner
+// died after a checkpoint, one unknown, one still running now.
+func seed(t *testing.T) (dsn string, eng func() *idem.Engine) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	past, _ := idem.New(idem.Config{Store: s, Clock: storetest.NewClock(time.Now().Add(-time.Hour))})
+	now, _ := idem.New(idem.Config{Store: s})
+	begin := func(e *idem.Engine, key string) idem.Lease {
+		out, err := e.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: key, Fingerprint: fp})
+		if err != nil || out.Decision != idem.Execute {
+			t.Fatal(out.Decision, err)
+		}
+		return out.Lease
+	}
+	ctx := context.Background()
+	if err := past.Complete(ctx, begin(past, "done"), &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := past.Checkpoint(ctx, begin(past, "stuck"), "authorize", []byte("idem_k1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := past.MarkUnknown(ctx, begin(past, "unknown")); err != nil {
+		t.Fatal(err)
+	}
+	begin(now, "running")
+	return "sqlite:" + path, func() *idem.Engine {
+		s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: path})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		e, _ := idem.New(idem.Config{Store: s})
+		return e
+	}
+}
+
+func TestKeysCommands(t *testing.T) {
+	dsn, engine := seed(t)
+
+	code, out, _ := run(t, "keys", "ls", "--store", dsn)
+	if code != 0 || !strings.Contains(out, "stuck") || !strings.Contains(out, "authorize") || !strings.Contains(out, "unknown") ||
+		strings.Contains(out, "done") || strings.Contains(out, "running") {
+		t.Fatalf("keys ls: %d\n%s", code, out)
+	}
+	if _, out, _ := run(t, "keys", "ls", "--store", dsn, "--state", "unknown"); strings.Contains(out, "stuck") || !strings.Contains(out, "unknown") {
+		t.Fatalf("keys ls --state unknown:\n%s", out)
+	}
+
+	code, out, _ = run(t, "keys", "show", "done", "--scope", "tenant", "--store", dsn)
+	var shown struct {
+		State    string
+		Response struct {
+			Status int
+			Body   string
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &shown); code != 0 || err != nil || shown.State != "completed" || shown.Response.Status != 201 || shown.Response.Body != `{"id":"ch_1"}` {
+		t.Fatalf("keys show: %d %v\n%s", code, err, out)
+	}
+	if code, _, errOut := run(t, "keys", "show", "absent", "--store", dsn); code != 1 || !strings.Contains(errOut, "not found") {
+		t.Fatalf("keys show of a missing key: %d %s", code, errOut)
+	}
+
+	code, _, errOut := run(t, "keys", "resolve", "stuck", "--scope", "tenant", "--store", dsn, "--completed", "--status", "201",
+		"--body", `{"id":"ch_2"}`, "--header", "Content-Type: application/json")
+	if code != 0 {
+		t.Fatalf("keys resolve --completed: %d %s", code, errOut)
+	}
+	if code, _, errOut := run(t, "keys", "resolve", "unknown", "--scope", "tenant", "--store", dsn, "--failed"); code != 0 {
+		t.Fatalf("keys resolve --failed: %d %s", code, errOut)
+	}
+	for name, args := range map[string][]string{
+		"a settled record":    {"done", "--failed"},
+		"a running lease":     {"running", "--failed"},
+		"neither outcome":     {"stuck"},
+		"completed no status": {"running", "--completed", "--force"},
+	} {
+		if code, _, _ := run(t, append([]string{"keys", "resolve", "--scope", "tenant", "--store", dsn}, args...)...); code == 0 {
+			t.Errorf("keys resolve %s: accepted", name)
+		}
+	}
+	e := engine()
+	out2, err := e.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "stuck", Fingerprint: fp})
+	if err != nil || out2.Decision != idem.Replay || string(out2.Record.Response.Body) != `{"id":"ch_2"}` || out2.Record.Response.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("after resolve --completed: %v %+v %v", out2.Decision, out2.Record.Response, err)
+	}
+	if out, _ := e.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "unknown", Fingerprint: fp}); out.Decision != idem.Execute {
+		t.Fatalf("after resolve --failed: %v", out.Decision)
+	}
+
+	if code, out, _ := run(t, "keys", "purge", "--before", "1h", "--store", dsn); code != 0 || !strings.Contains(out, "purged 0") {
+		t.Fatalf("purge of nothing expired: %d %s", code, out)
+	}
+	later := time.Now().Add(25 * time.Hour).UTC().Format(time.RFC3339)
+	if code, out, _ := run(t, "keys", "purge", "--before", later, "--store", dsn); code != 0 || !strings.Contains(out, "purged 2") {
+		t.Fatalf("purge before %s: %d %s", later, code, out)
+	}
+	if code, _, _ := run(t, "keys", "purge", "--store", dsn); code == 0 {
+		t.Fatal("purge without --before accepted")
+	}
+}
+
+func TestReconcileCommand(t *testing.T) {
+	dsn, engine := seed(t)
+	resolver := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var rec struct {
+			Key         string
+			Checkpoints []idem.Checkpoint
+		}
+		json.NewDecoder(r.Body).Decode(&rec)
+		if rec.Key == "stuck" && len(rec.Checkpoints) == 1 && string(rec.Checkpoints[0].Data) == "idem_k1" {
+			fmt.Fprint(w, `{"outcome":"completed","status":201,"body":"{\"id\":\"ch_9\"}"}`)
+			return
+		}
+		fmt.Fprint(w, `{"outcome":"failed"}`)
+	}))
+	defer resolver.Close()
+	code, out, errOut := run(t, "reconcile", "--once", "--store", dsn, "--resolver-url", resolver.URL)
+	if code != 0 || !strings.Contains(out, "completed 1, failed 1") {
+		t.Fatalf("reconcile --once: %d %q %s", code, out, errOut)
+	}
+	if out, _ := engine().Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "stuck", Fingerprint: fp}); out.Decision != idem.Replay {
+		t.Fatalf("after reconcile: %v", out.Decision)
+	}
+	if code, _, _ := run(t, "reconcile", "--once", "--store", dsn); code != 2 {
+		t.Fatal("reconcile without a resolver URL accepted")
+	}
+}
