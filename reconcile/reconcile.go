@@ -96,11 +96,12 @@ type Config struct {
 	Engine *idem.Engine
 	// Resolver answers for each record. Required.
 	Resolver Resolver
-	// Grace leaves an IN_PROGRESS record to its owner this long past its
-	// lease, so that a slow owner whose renewals failed can still finish
-	// (its context is cancelled when its lease runs out; its last call
-	// downstream may still land). Make it longer than the downstream calls'
-	// timeouts. Defaults to [DefaultGrace].
+	// Grace leaves a record alone this long past its lease's end (UNKNOWN:
+	// past the moment it became unknown), so that a slow owner whose renewals failed can
+	// still finish (its context is cancelled when its lease runs out), and a
+	// downstream call that timed out on the owner's side but may still land
+	// has landed before the resolver asks. Make it longer than the
+	// downstream calls' timeouts. Defaults to [DefaultGrace].
 	Grace time.Duration
 	// Interval is the time between passes under Start. Defaults to
 	// [DefaultInterval].
@@ -150,7 +151,7 @@ func New(cfg Config) (*Reconciler, error) {
 type Report struct {
 	// Stale is how many stale records the pass saw.
 	Stale int
-	// Waiting were IN_PROGRESS records still inside their grace period.
+	// Waiting were records still inside their grace period.
 	Waiting int
 	// Completed and Failed were settled by this pass.
 	Completed, Failed int
@@ -187,7 +188,13 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	eng := r.cfg.Engine
 	log := r.log.With("scope", rec.Scope, "key_hash", idem.NotifyID(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
-	if rec.State == idem.StateInProgress && eng.Now().Before(rec.LeaseExpires.Add(r.cfg.Grace)) {
+	// A downstream call made just before the lease ended, or just before the
+	// record became unknown (a timeout on the owner's side), may still land.
+	quiet := rec.LeaseExpires
+	if rec.State == idem.StateUnknown {
+		quiet = rec.Updated
+	}
+	if eng.Now().Before(quiet.Add(r.cfg.Grace)) {
 		rep.Waiting++
 		return
 	}

@@ -1,0 +1,167 @@
+package payments_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/payments"
+	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store/sqlitestore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+type fixture struct {
+	acq   *payments.Acquirer
+	api   *httptest.Server
+	svc   *payments.Service
+	eng   *idem.Engine
+	clock *storetest.Clock
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	store, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "p.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	clock := storetest.NewClock(time.Now())
+	eng, _ := idem.New(idem.Config{Store: store, Clock: clock})
+	acq := payments.NewAcquirer(false, 1)
+	acqSrv := httptest.NewServer(acq)
+	t.Cleanup(acqSrv.Close)
+	db, err := payments.NewDB(store, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: acqSrv.URL, AcquirerTimeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := svc.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	h, err := svc.Handler()
+	if err != nil {
+		t.Fatal(err)
+	}
+	api := httptest.NewServer(h)
+	t.Cleanup(api.Close)
+	return &fixture{acq: acq, api: api, svc: svc, eng: eng, clock: clock}
+}
+
+func (f *fixture) do(t *testing.T, method, path, key, body string) (int, map[string]any) {
+	t.Helper()
+	req, _ := http.NewRequest(method, f.api.URL+path, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer sk_test")
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v map[string]any
+	json.NewDecoder(resp.Body).Decode(&v)
+	return resp.StatusCode, v
+}
+
+func TestChargeLifecycle(t *testing.T) {
+	f := newFixture(t)
+	// Invalid input stores nothing: the corrected request may use the key.
+	if code, _ := f.do(t, "POST", "/v1/charges", "k1", `{"amount":-1,"currency":"eur","customer":"cus_1"}`); code != 400 {
+		t.Fatalf("invalid charge: %d", code)
+	}
+	code, ch := f.do(t, "POST", "/v1/charges", "k1", `{"amount":250,"currency":"eur","customer":"cus_1"}`)
+	if code != 201 || ch["status"] != "succeeded" {
+		t.Fatalf("charge: %d %v", code, ch)
+	}
+	if code, again := f.do(t, "POST", "/v1/charges", "k1", `{"currency":"eur","customer":"cus_1","amount":250}`); code != 201 || again["id"] != ch["id"] {
+		t.Fatalf("retry (keys reordered): %d %v", code, again)
+	}
+	if code, got := f.do(t, "GET", "/v1/charges/"+ch["id"].(string), "", ""); code != 200 || got["amount"] != 250.0 {
+		t.Fatalf("GET charge: %d %v", code, got)
+	}
+	if code, _ := f.do(t, "GET", "/v1/charges/ch_nope", "", ""); code != 404 {
+		t.Fatalf("GET a missing charge: %d", code)
+	}
+	if code, b := f.do(t, "GET", "/v1/customers/cus_1/balance", "", ""); code != 200 || b["balance"] != -250.0 || b["debits"] != 1.0 {
+		t.Fatalf("balance: %d %v", code, b)
+	}
+	if code, _ := f.do(t, "POST", "/v1/charges", "", `{"amount":1,"currency":"eur","customer":"cus_1"}`); code != 400 {
+		t.Fatalf("charge without a key: %d", code)
+	}
+
+	f.acq.SetFaults(payments.Faults{Decline: 1})
+	if code, d := f.do(t, "POST", "/v1/charges", "k2", `{"amount":99,"currency":"eur","customer":"cus_1"}`); code != 402 || d["status"] != "declined" {
+		t.Fatalf("declined charge: %d %v", code, d)
+	}
+	if code, _ := f.do(t, "POST", "/v1/charges", "k2", `{"amount":99,"currency":"eur","customer":"cus_1"}`); code != 402 {
+		t.Fatalf("a decline is an outcome, replayed: %d", code)
+	}
+	if s := f.acq.Stats(); s.Charges != 2 || s.DuplicateKeys != 0 {
+		t.Fatalf("acquirer: %+v; want two charges, none repeated", s)
+	}
+}
+
+// TestLostReplyIsReconciled: the acquirer charges and the reply is lost; the
+// charge is uncertain until the reconciler asks the acquirer, then the retry
+// gets the charge, debited once, and the acquirer charged once.
+func TestLostReplyIsReconciled(t *testing.T) {
+	f := newFixture(t)
+	f.acq.SetFaults(payments.Faults{LostReply: 1})
+	if code, _ := f.do(t, "POST", "/v1/charges", "k", `{"amount":700,"currency":"usd","customer":"cus_2"}`); code != 502 {
+		t.Fatalf("lost reply: %d", code)
+	}
+	f.acq.SetFaults(payments.Faults{})
+	if code, p := f.do(t, "POST", "/v1/charges", "k", `{"amount":700,"currency":"usd","customer":"cus_2"}`); code != 409 || !strings.Contains(p["type"].(string), "operation-uncertain") {
+		t.Fatalf("retry before reconciling: %d %v", code, p)
+	}
+	r, _ := reconcile.New(reconcile.Config{Engine: f.eng, Resolver: f.svc, Grace: time.Second, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if rep, err := r.RunOnce(context.Background()); err != nil || rep.Waiting != 1 {
+		t.Fatalf("a record marked unknown a moment ago is left alone: %+v, %v", rep, err)
+	}
+	f.clock.Advance(time.Second)
+	rep, err := r.RunOnce(context.Background())
+	if err != nil || rep.Completed != 1 {
+		t.Fatalf("reconcile: %+v, %v", rep, err)
+	}
+	code, ch := f.do(t, "POST", "/v1/charges", "k", `{"amount":700,"currency":"usd","customer":"cus_2"}`)
+	if code != 201 || ch["status"] != "succeeded" || ch["amount"] != 700.0 {
+		t.Fatalf("retry after reconciling: %d %v", code, ch)
+	}
+	if code, b := f.do(t, "GET", "/v1/customers/cus_2/balance", "", ""); code != 200 || b["balance"] != -700.0 || b["debits"] != 1.0 {
+		t.Fatalf("balance: %v", b)
+	}
+	if s := f.acq.Stats(); s.Charges != 1 || s.DuplicateKeys != 0 {
+		t.Fatalf("acquirer: %+v", s)
+	}
+}
+
+// TestUnreachableAcquirerReleases: the acquirer answered 503 before
+// charging: nothing happened, and the retry charges once.
+func TestUnreachableAcquirerReleases(t *testing.T) {
+	f := newFixture(t)
+	f.acq.SetFaults(payments.Faults{Unavailable: 1})
+	if code, _ := f.do(t, "POST", "/v1/charges", "k", `{"amount":5,"currency":"eur","customer":"cus_3"}`); code != 503 {
+		t.Fatalf("acquirer busy: %d", code)
+	}
+	f.acq.SetFaults(payments.Faults{})
+	if code, _ := f.do(t, "POST", "/v1/charges", "k", `{"amount":5,"currency":"eur","customer":"cus_3"}`); code != 201 {
+		t.Fatalf("retry: %d", code)
+	}
+	if s := f.acq.Stats(); s.Charges != 1 {
+		t.Fatalf("acquirer charged %d times", s.Charges)
+	}
+}
