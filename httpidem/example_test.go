@@ -1,15 +1,19 @@
 package httpidem_test
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/sqlitestore"
 )
 
 func Example() {
@@ -48,4 +52,51 @@ func Example() {
 	// 422  {"type":"https://github.com/idemhq/idem/blob/main/docs/problems.md#payload-mismatch","title":"Idempotency-Key reused with a different payload","status":422,"detail":"this key was first used with a request that differs in body","differs":["body"]}
 	// 400  {"type":"https://github.com/idemhq/idem/blob/main/docs/problems.md#key-missing","title":"Idempotency-Key required","status":400,"detail":"POST /v1/charges requires an Idempotency-Key header"}
 	// charges: 1
+}
+
+// A debit and the record's completion commit in one SQLite transaction: the
+// retry is a replay, and the ledger holds one debit.
+func ExampleFinish() {
+	ctx := context.Background()
+	dir, _ := os.MkdirTemp("", "idem-example")
+	defer os.RemoveAll(dir)
+	store, _ := sqlitestore.Open(ctx, sqlitestore.Config{Path: filepath.Join(dir, "idem.db")})
+	defer store.Close()
+	store.DB().Exec(`CREATE TABLE ledger (customer TEXT, amount INTEGER)`)
+	engine, _ := idem.New(idem.Config{Store: store})
+	mw, _ := httpidem.New(httpidem.Config{Engine: engine, TakeoverSafe: true})
+
+	debit := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, err := store.DB().BeginTx(r.Context(), nil)
+		if err != nil {
+			http.Error(w, "database unavailable", http.StatusServiceUnavailable)
+			return
+		}
+		defer tx.Rollback()
+		tx.ExecContext(r.Context(), `INSERT INTO ledger VALUES ('cus_1', -100)`)
+		resp := &idem.Response{Status: http.StatusCreated, Body: []byte(`{"debited":100}`)}
+		if err := httpidem.Finish(w, r, resp, func(p idem.FinishParams) error {
+			if err := store.FinishTx(r.Context(), tx, p); err != nil {
+				return err
+			}
+			return tx.Commit()
+		}); err != nil {
+			httpidem.NothingHappened(r) // rolled back: the retry may run
+			http.Error(w, "try again", http.StatusServiceUnavailable)
+		}
+	}))
+	for range 2 {
+		r := httptest.NewRequest("POST", "/debit", nil)
+		r.Header.Set("Idempotency-Key", "debit-1")
+		w := httptest.NewRecorder()
+		debit.ServeHTTP(w, r)
+		fmt.Println(w.Code, w.Header().Get("Idempotent-Replayed"), w.Body.String())
+	}
+	var debits int
+	store.DB().QueryRow(`SELECT count(*) FROM ledger`).Scan(&debits)
+	fmt.Println("debits:", debits)
+	// Output:
+	// 201  {"debited":100}
+	// 201 true {"debited":100}
+	// debits: 1
 }
