@@ -1,0 +1,271 @@
+package idemclient_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/idemclient"
+	"github.com/idemhq/idem/store/memstore"
+)
+
+// recorder is a server that answers from a script and remembers what it got.
+type recorder struct {
+	mu     sync.Mutex
+	keys   []string
+	bodies []string
+	answer func(n int, w http.ResponseWriter)
+}
+
+func (s *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	b, _ := io.ReadAll(r.Body)
+	s.mu.Lock()
+	s.keys = append(s.keys, r.Header.Get("Idempotency-Key"))
+	s.bodies = append(s.bodies, string(b))
+	n := len(s.keys)
+	s.mu.Unlock()
+	s.answer(n, w)
+}
+
+func (s *recorder) seen() ([]string, []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.keys...), append([]string(nil), s.bodies...)
+}
+
+func client(cfg idemclient.Config) *http.Client {
+	if cfg.BaseDelay == 0 {
+		cfg.BaseDelay = time.Millisecond
+	}
+	return &http.Client{Transport: idemclient.New(cfg)}
+}
+
+var uuid4 = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+
+func TestSameKeyOnEveryRetry(t *testing.T) {
+	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+		if n < 3 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	req, _ := http.NewRequest("POST", ts.URL, strings.NewReader(`{"amount":100}`))
+	resp, err := client(idemclient.Config{}).Do(req)
+	if err != nil || resp.StatusCode != 201 {
+		t.Fatalf("%v %v", resp, err)
+	}
+	resp.Body.Close()
+	keys, bodies := srv.seen()
+	if len(keys) != 3 || keys[0] != keys[1] || keys[1] != keys[2] || !uuid4.MatchString(keys[0]) {
+		t.Fatalf("keys sent: %q; want one UUIDv4, three times", keys)
+	}
+	for _, b := range bodies {
+		if b != `{"amount":100}` {
+			t.Fatalf("bodies: %q; want the whole body on every attempt", bodies)
+		}
+	}
+	if req.Header.Get("Idempotency-Key") != "" {
+		t.Fatal("the caller's request was modified")
+	}
+}
+
+// onceReader is a body without GetBody: it can be read once.
+type onceReader struct{ io.Reader }
+
+func TestBodyWithoutGetBodyIsBuffered(t *testing.T) {
+	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+		if n == 1 {
+			w.WriteHeader(502)
+			return
+		}
+		w.WriteHeader(200)
+	}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	req, _ := http.NewRequest("PATCH", ts.URL, onceReader{strings.NewReader("patch body")})
+	req.Header.Set("Idempotency-Key", "mine")
+	resp, err := client(idemclient.Config{}).Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatal(resp, err)
+	}
+	keys, bodies := srv.seen()
+	if len(keys) != 2 || keys[0] != "mine" || keys[1] != "mine" || bodies[1] != "patch body" {
+		t.Fatalf("keys %q bodies %q; want the caller's key and the body twice", keys, bodies)
+	}
+
+	big, _ := http.NewRequest("POST", ts.URL, onceReader{strings.NewReader(strings.Repeat("x", 100))})
+	if _, err := client(idemclient.Config{MaxBody: 10}).Do(big); !errors.Is(err, idemclient.ErrBodyTooLarge) {
+		t.Fatalf("a body over MaxBody: %v", err)
+	}
+}
+
+func TestWhatIsNotRetried(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		method string
+		status int
+		body   string
+	}{
+		{"GET without key", "GET", 503, ""},
+		{"400", "POST", 400, `{"type":"x#key-invalid"}`},
+		{"422", "POST", 422, `{"type":"x#payload-mismatch"}`},
+		{"409 uncertain", "POST", 409, `{"type":"https://github.com/idemhq/idem/blob/main/docs/problems.md#operation-uncertain"}`},
+		{"500", "POST", 500, ""},
+	} {
+		srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(c.status)
+			io.WriteString(w, c.body)
+		}}
+		ts := httptest.NewServer(srv)
+		req, _ := http.NewRequest(c.method, ts.URL, nil)
+		resp, err := client(idemclient.Config{}).Do(req)
+		if err != nil || resp.StatusCode != c.status {
+			t.Fatalf("%s: %v %v", c.name, resp, err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		keys, _ := srv.seen()
+		if len(keys) != 1 || string(got) != c.body {
+			t.Errorf("%s: %d attempts, body %q; want one attempt and the body intact", c.name, len(keys), got)
+		}
+		if c.method == "GET" && keys[0] != "" {
+			t.Errorf("a GET got a key")
+		}
+		ts.Close()
+	}
+}
+
+func TestInProgressHonoursRetryAfter(t *testing.T) {
+	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+		if n == 1 {
+			w.Header().Set("Retry-After", "1")
+			(&httpidem.Problem{Type: httpidem.ProblemInProgress, Title: "in progress", Status: 409}).Write(w)
+			return
+		}
+		w.WriteHeader(201)
+	}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	var waited time.Duration
+	start := time.Now()
+	resp, err := client(idemclient.Config{OnRetry: func(_ int, _ *http.Response, _ error, wait time.Duration) { waited = wait }}).Post(ts.URL, "text/plain", nil)
+	if err != nil || resp.StatusCode != 201 {
+		t.Fatal(resp, err)
+	}
+	if waited < time.Second || time.Since(start) < time.Second {
+		t.Fatalf("waited %v (%v in all); want the server's Retry-After of 1s", waited, time.Since(start))
+	}
+}
+
+func TestLimits(t *testing.T) {
+	always := func(status int, retryAfter string) *httptest.Server {
+		return httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) {
+			if retryAfter != "" {
+				w.Header().Set("Retry-After", retryAfter)
+			}
+			w.WriteHeader(status)
+			fmt.Fprintf(w, "attempt %d", n)
+		}})
+	}
+	ts := always(503, "")
+	resp, err := client(idemclient.Config{MaxAttempts: 4}).Post(ts.URL, "", nil)
+	if err != nil || resp.StatusCode != 503 {
+		t.Fatal(resp, err)
+	}
+	if b, _ := io.ReadAll(resp.Body); string(b) != "attempt 4" {
+		t.Fatalf("after MaxAttempts: %q; want the 4th answer, readable", b)
+	}
+	ts.Close()
+
+	ts = always(429, "60")
+	defer ts.Close()
+	start := time.Now()
+	resp, err = client(idemclient.Config{MaxElapsed: time.Second}).Post(ts.URL, "", nil)
+	if err != nil || resp.StatusCode != 429 || time.Since(start) > 5*time.Second {
+		t.Fatalf("a Retry-After past MaxElapsed: %v %v after %v; want the 429 at once", resp, err, time.Since(start))
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	ts2 := always(503, "5")
+	defer ts2.Close()
+	req, _ := http.NewRequestWithContext(ctx, "POST", ts2.URL, nil)
+	start = time.Now()
+	if _, err := client(idemclient.Config{}).Do(req); !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 3*time.Second {
+		t.Fatalf("ctx deadline during a wait: %v after %v", err, time.Since(start))
+	}
+}
+
+// dropAfterRun is a server that runs the idempotent handler fully (the
+// outcome is stored) and then, the first time, drops the connection instead
+// of answering: the client sees a network error after the effect happened.
+type dropAfterRun struct {
+	next    http.Handler
+	dropped atomic.Bool
+}
+
+func (d *dropAfterRun) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if d.dropped.CompareAndSwap(false, true) {
+		d.next.ServeHTTP(httptest.NewRecorder(), r)
+		conn, _, _ := http.NewResponseController(w).Hijack()
+		conn.Close()
+		return
+	}
+	d.next.ServeHTTP(w, r)
+}
+
+func TestNoDoubleEffectWhenTheAnswerIsLost(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+	var charges atomic.Int64
+	handler := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := charges.Add(1)
+		w.WriteHeader(201)
+		fmt.Fprintf(w, "charge %d", n)
+	}))
+	ts := httptest.NewServer(&dropAfterRun{next: handler})
+	defer ts.Close()
+	resp, err := client(idemclient.Config{}).Post(ts.URL, "application/json", strings.NewReader(`{"amount":100}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 201 || string(b) != "charge 1" || resp.Header.Get("Idempotent-Replayed") != "true" || charges.Load() != 1 {
+		t.Fatalf("got %d %q replayed=%q after %d charges; want the first charge, replayed, charged once",
+			resp.StatusCode, b, resp.Header.Get("Idempotent-Replayed"), charges.Load())
+	}
+}
+
+func TestUUIDs(t *testing.T) {
+	seen := map[string]bool{}
+	prev := ""
+	uuid7 := regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+	for range 1000 {
+		v4, err := idemclient.NewUUIDv4()
+		if err != nil || !uuid4.MatchString(v4) || seen[v4] {
+			t.Fatalf("v4 %q %v", v4, err)
+		}
+		seen[v4] = true
+		v7, err := idemclient.NewUUIDv7()
+		if err != nil || !uuid7.MatchString(v7) || v7[:13] < prev {
+			t.Fatalf("v7 %q after %q: want the format and time order", v7, prev)
+		}
+		prev = v7[:13]
+	}
+}
