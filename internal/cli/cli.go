@@ -32,6 +32,7 @@ Usage:
   idem demo [--listen ADDR] [--store DSN] [--acquirer URL]
   idem keys ls|show|resolve|purge [flags]
   idem reconcile --resolver-url URL [--store DSN] [--once]
+  idem verify --url URL [--body JSON] [--header 'H: V']… [--require-key] [--credential C]… [--json]
   idem echo [--listen ADDR] [--delay D]
   idem help [COMMAND]
 
@@ -40,6 +41,7 @@ Commands:
   demo       the reference payments service, a simulated card acquirer and a reconciler
   keys       list, inspect, resolve and purge records in any store
   reconcile  settle stale records by asking a resolver URL what happened
+  verify     check, from the outside, that an API honours the idempotency contract
   echo       a toy API that numbers each request it runs, to try idem on
 
 Run 'idem help proxy' for its flags.
@@ -62,6 +64,8 @@ func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer)
 		return runKeys(ctx, args[1:], env, stdout, stderr)
 	case "reconcile":
 		return runReconcile(ctx, args[1:], env, stdout, stderr)
+	case "verify":
+		return runVerify(ctx, args[1:], stdout, stderr)
 	case "help", "-h", "--help":
 		if len(args) > 1 && args[1] == "proxy" {
 			runProxy(ctx, []string{"-h"}, env, stdout, stdout)

@@ -2,6 +2,7 @@ package cli_test
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -12,8 +13,11 @@ import (
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/idemhq/idem/internal/cli"
 )
 
 var idemBin string
@@ -157,4 +161,92 @@ func TestKilledProxyNeverRunsTwice(t *testing.T) {
 	if count("key/charge") != 1 || count("key/tx") != 2 {
 		t.Fatalf("upstream runs: /charge %d (want 1), /tx %d (want 1 + the one retry)", count("key/charge"), count("key/tx"))
 	}
+}
+
+// startProcess runs the idem binary and waits for a line of its output that
+// matches re, returning the first submatch.
+func startProcess(t *testing.T, re *regexp.Regexp, args ...string) (*exec.Cmd, string) {
+	t.Helper()
+	cmd := exec.Command(idemBin, args...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	found := make(chan string, 1)
+	go func() {
+		defer close(found)
+		lines := bufio.NewScanner(out)
+		for lines.Scan() {
+			if m := re.FindStringSubmatch(lines.Text()); m != nil {
+				found <- m[1]
+				io.Copy(io.Discard, out)
+				return
+			}
+		}
+	}()
+	select {
+	case v, ok := <-found:
+		if !ok {
+			t.Fatalf("idem %s exited before saying %s", args[0], re)
+		}
+		return cmd, v
+	case <-time.After(30 * time.Second):
+		t.Fatalf("idem %s did not say %s within 30s", args[0], re)
+	}
+	return nil, ""
+}
+
+func verifyOK(t *testing.T, args ...string) {
+	t.Helper()
+	var out, errOut strings.Builder
+	code := cli.Main(context.Background(), append([]string{"verify"}, args...), func(string) string { return "" }, &out, &errOut)
+	if code != 0 || strings.Contains(out.String(), "FAIL") || strings.Count(out.String(), " pass ") < 7 {
+		t.Fatalf("idem verify %v: exit %d\n%s%s", args, code, out.String(), errOut.String())
+	}
+}
+
+// TestVerifyPassesAgainstTheProxy runs `idem verify` against `idem proxy` on
+// every store.
+func TestVerifyPassesAgainstTheProxy(t *testing.T) {
+	var n atomic.Int64
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(20 * time.Millisecond)
+		w.WriteHeader(201)
+		fmt.Fprintf(w, `{"execution":%d}`, n.Add(1))
+	}))
+	defer upstream.Close()
+	stores := map[string]string{"memory": "memory:", "sqlite": "sqlite:" + filepath.Join(t.TempDir(), "idem.db")}
+	if pg := os.Getenv("IDEM_TEST_DATABASE_URL"); pg != "" {
+		sep := "?"
+		if strings.Contains(pg, "?") {
+			sep = "&"
+		}
+		stores["postgres"] = pg + sep + "idem_schema=idem_verify_test"
+	}
+	if rd := os.Getenv("IDEM_TEST_REDIS_URL"); rd != "" {
+		stores["redis"] = rd + "?idem_prefix=idem-verify-test"
+	}
+	if len(stores) < 4 {
+		t.Log("PostgreSQL and Redis are left out: set IDEM_TEST_DATABASE_URL and IDEM_TEST_REDIS_URL")
+	}
+	for name, dsn := range stores {
+		t.Run(name, func(t *testing.T) {
+			_, url := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key")
+			verifyOK(t, "--url", url+"/v1/charges", "--require-key", "--credential", "Bearer a", "--credential", "Bearer b")
+		})
+	}
+}
+
+var demoListening = regexp.MustCompile(`payments API listening on (http://\S+)`)
+
+func TestVerifyPassesAgainstTheDemo(t *testing.T) {
+	_, url := startProcess(t, demoListening, "demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0",
+		"--store", "sqlite:"+filepath.Join(t.TempDir(), "demo.db"))
+	verifyOK(t, "--url", url+"/v1/charges", "--body", `{"amount":100,"currency":"eur","customer":"cus_1"}`,
+		"--changed-body", `{"amount":101,"currency":"eur","customer":"cus_1"}`, "--require-key", "--credential", "Bearer sk_a", "--credential", "Bearer sk_b")
 }

@@ -1,0 +1,78 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"text/tabwriter"
+
+	"github.com/idemhq/idem/verify"
+)
+
+// stringList collects a repeated flag.
+type stringList []string
+
+func (s *stringList) String() string     { return fmt.Sprint(*s) }
+func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
+
+// runVerify checks an endpoint against the idempotency contract, from the
+// outside.
+func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idem verify", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	cfg := verify.Config{Header: http.Header{}}
+	fs.StringVar(&cfg.URL, "url", "", "the endpoint to check (required)")
+	fs.StringVar(&cfg.Method, "method", "POST", "the method")
+	fs.StringVar(&cfg.Body, "body", "", "a request body the endpoint accepts (default: a small JSON object)")
+	fs.StringVar(&cfg.ChangedBody, "changed-body", "", "another request the endpoint accepts, the 'different payload' (default: the body with one more JSON member)")
+	fs.Var(headerFlags(cfg.Header), "header", "a header for every request, 'Name: value' (repeatable)")
+	fs.IntVar(&cfg.Concurrency, "concurrency", verify.DefaultConcurrency, "duplicates sent at once")
+	fs.BoolVar(&cfg.RequireKey, "require-key", false, "check that a request without a key gets 400")
+	fs.StringVar(&cfg.ScopeHeader, "scope-header", "Authorization", "the header that tells callers apart")
+	var creds stringList
+	fs.Var(&creds, "credential", "a value of --scope-header; give two to check that keys are scoped per caller")
+	asJSON := fs.Bool("json", false, "print the report as JSON")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if cfg.URL == "" || fs.NArg() > 0 {
+		fmt.Fprintln(stderr, "idem verify: --url is required (and takes no arguments)")
+		return 2
+	}
+	cfg.Credentials = creds
+	progress := newProgress(stderr, "requests sent")
+	cfg.Progress = progress.update
+	rep, err := verify.Run(ctx, cfg)
+	progress.done()
+	if err != nil {
+		fmt.Fprintln(stderr, "idem verify:", err)
+		return 2
+	}
+	if *asJSON {
+		out := struct {
+			verify.Report
+			Passed bool `json:"passed"`
+		}{rep, rep.Passed()}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		enc.Encode(out)
+	} else {
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintf(tw, "CHECK\tRESULT\tDETAIL\n")
+		for _, c := range rep.Checks {
+			fmt.Fprintf(tw, "%s\t%s\t%s\n", c.Name, c.Result, c.Detail)
+		}
+		tw.Flush()
+	}
+	if !rep.Passed() {
+		return 1
+	}
+	return 0
+}

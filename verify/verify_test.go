@@ -1,0 +1,166 @@
+package verify_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/verify"
+)
+
+// charge is an endpoint whose every execution answers differently.
+func charge(n *atomic.Int64) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		time.Sleep(20 * time.Millisecond) // real work takes a while: duplicates overlap
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"execution":%d,"for":%q}`, n.Add(1), body)
+	}
+}
+
+func run(t *testing.T, h http.Handler) verify.Report {
+	t.Helper()
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{
+		URL: srv.URL + "/v1/charges", Body: `{"amount":100}`, RequireKey: true,
+		Credentials: []string{"Bearer alice", "Bearer bob"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rep
+}
+
+func results(rep verify.Report) map[string]verify.Check {
+	m := map[string]verify.Check{}
+	for _, c := range rep.Checks {
+		m[c.Name] = c
+	}
+	return m
+}
+
+func TestPassesAgainstTheMiddleware(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true, Scope: httpidem.HashScope("Authorization")})
+	var n atomic.Int64
+	rep := run(t, mw.Wrap(charge(&n)))
+	for _, c := range rep.Checks {
+		if c.Result != verify.Pass {
+			t.Errorf("%s: %s: %s", c.Name, c.Result, c.Detail)
+		}
+	}
+	if len(rep.Checks) != 7 || !rep.Passed() {
+		t.Fatalf("report: %+v", rep)
+	}
+}
+
+// noIdempotency runs every request.
+func TestCatchesNoIdempotency(t *testing.T) {
+	var n atomic.Int64
+	got := results(run(t, charge(&n)))
+	if c := got["replay"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "ran again") {
+		t.Fatalf("replay: %+v", c)
+	}
+	for _, name := range []string{"payload-mismatch", "missing-key", "malformed-keys", "concurrent-duplicates"} {
+		if got[name].Result != verify.Fail {
+			t.Errorf("%s: %+v", name, got[name])
+		}
+	}
+}
+
+// keyed is a hand-made idempotency layer with two optional flaws.
+type keyed struct {
+	ignorePayload bool // replays whatever the payload
+	noLock        bool // looks up, runs, then stores: duplicates race
+	mu            sync.Mutex
+	done          map[string][2]string // key → body, answer
+	next          http.Handler
+}
+
+func (k *keyed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	key, err := httpidem.ParseKey(r.Header.Values("Idempotency-Key"), httpidem.KeyAny)
+	if err != nil {
+		(&httpidem.Problem{Type: httpidem.ProblemKeyInvalid, Title: "bad key", Status: 400}).Write(w)
+		return
+	}
+	body, _ := io.ReadAll(r.Body)
+	key = r.Header.Get("Authorization") + "\x00" + key
+	k.mu.Lock()
+	prior, ok := k.done[key]
+	if ok {
+		k.mu.Unlock()
+		if !k.ignorePayload && prior[0] != string(body) {
+			(&httpidem.Problem{Type: httpidem.ProblemPayloadMismatch, Title: "mismatch", Status: 422}).Write(w)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Idempotent-Replayed", "true")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, prior[1])
+		return
+	}
+	if k.noLock {
+		k.mu.Unlock()
+	}
+	rec := httptest.NewRecorder()
+	r.Body = io.NopCloser(strings.NewReader(string(body)))
+	k.next.ServeHTTP(rec, r)
+	if k.noLock {
+		k.mu.Lock()
+	}
+	k.done[key] = [2]string{string(body), rec.Body.String()}
+	k.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(rec.Code)
+	w.Write(rec.Body.Bytes())
+}
+
+func TestCatchesIgnoredPayload(t *testing.T) {
+	var n atomic.Int64
+	got := results(run(t, &keyed{ignorePayload: true, done: map[string][2]string{}, next: charge(&n)}))
+	if c := got["payload-mismatch"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "want 422") {
+		t.Fatalf("payload-mismatch: %+v", c)
+	}
+	if got["replay"].Result != verify.Pass || got["concurrent-duplicates"].Result != verify.Pass {
+		t.Fatalf("the rest should pass: %+v", got)
+	}
+}
+
+func TestCatchesMissingLock(t *testing.T) {
+	var n atomic.Int64
+	got := results(run(t, &keyed{noLock: true, done: map[string][2]string{}, next: charge(&n)}))
+	if c := got["concurrent-duplicates"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "ran more than once") {
+		t.Fatalf("concurrent-duplicates: %+v", c)
+	}
+	if got["replay"].Result != verify.Pass || got["payload-mismatch"].Result != verify.Pass {
+		t.Fatalf("the rest should pass: %+v", got)
+	}
+}
+
+func TestCatchesGlobalKeys(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true}) // no Scope
+	var n atomic.Int64
+	got := results(run(t, mw.Wrap(charge(&n))))
+	if c := got["scopes"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "not scoped") {
+		t.Fatalf("scopes: %+v", c)
+	}
+}
+
+func TestRunNeedsAURL(t *testing.T) {
+	if _, err := verify.Run(context.Background(), verify.Config{}); err == nil {
+		t.Fatal("no error without a URL")
+	}
+}
