@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/idemclient"
 	"github.com/idemhq/idem/internal/payments"
 	"github.com/idemhq/idem/internal/storeopen"
 )
@@ -125,9 +126,28 @@ func runChaos(t *testing.T, store string) {
 		}
 	})
 
-	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: chaosClients * 2}}
 	var sent, conflicts, uncertain, unavailable, neterrs, duplicates atomic.Int64
-	// attempt sends one charge until it gets a final answer.
+	// The clients retry through idemclient: the same key on every attempt,
+	// backoff with jitter, Retry-After honoured; it rides out network
+	// errors, 409 in progress, 502, 503 and 504 by itself.
+	client := &http.Client{Timeout: 10 * time.Second, Transport: idemclient.New(idemclient.Config{
+		Base:       &http.Transport{MaxIdleConnsPerHost: chaosClients * 2},
+		MaxElapsed: 20 * time.Second, MaxAttempts: 50, BaseDelay: 5 * time.Millisecond, MaxDelay: 200 * time.Millisecond,
+		OnRetry: func(_ int, resp *http.Response, err error, _ time.Duration) {
+			sent.Add(1)
+			switch {
+			case err != nil:
+				neterrs.Add(1)
+			case resp.StatusCode == 409:
+				conflicts.Add(1)
+			default:
+				unavailable.Add(1)
+			}
+		},
+	})}
+	// attempt sends one charge until it gets a final answer; it waits out
+	// what idemclient does not retry: 409 operation-uncertain (until the
+	// reconciler settles it) and a 500.
 	attempt := func(key, body string, rng *mrand.Rand) chaosClient {
 		var c chaosClient
 		deadline := time.Now().Add(90 * time.Second)
@@ -147,8 +167,6 @@ func runChaos(t *testing.T, store string) {
 					return c
 				case resp.StatusCode == 409 && strings.Contains(string(b), "operation-uncertain"):
 					uncertain.Add(1)
-				case resp.StatusCode == 409:
-					conflicts.Add(1)
 				case resp.StatusCode >= 500:
 					unavailable.Add(1)
 				default:
@@ -158,7 +176,7 @@ func runChaos(t *testing.T, store string) {
 			} else {
 				neterrs.Add(1)
 			}
-			time.Sleep(time.Duration(5+rng.IntN(45)) * time.Millisecond)
+			time.Sleep(time.Duration(100+rng.IntN(200)) * time.Millisecond)
 		}
 		t.Errorf("key %s: no final answer after %d attempts", key, c.attempts)
 		return c
