@@ -120,6 +120,31 @@ type Config struct {
 	// Logger receives a line per problem. Keys are logged as a hash, never
 	// as sent. Defaults to slog.Default().
 	Logger *slog.Logger
+	// Observe, when set, is told what became of each covered request: one
+	// of the Observed* names. For metrics.
+	Observe func(r *http.Request, observed string)
+}
+
+// What [Config.Observe] is told about a covered request.
+const (
+	ObservedExecuted      = "executed"       // the handler ran
+	ObservedReplayed      = "replayed"       // the stored outcome was sent again
+	ObservedMismatch      = "mismatch"       // 422: same key, another payload
+	ObservedInFlight      = "in_flight"      // 409: the first is still running
+	ObservedUncertain     = "uncertain"      // 409: the outcome is unknown
+	ObservedNotReplayable = "not_replayable" // 409: the outcome was not kept
+	ObservedStoreError    = "store_error"    // 503: the store could not be reached
+	ObservedFailOpen      = "fail_open"      // the store could not be reached; ran unprotected
+	ObservedKeyMissing    = "key_missing"    // 400
+	ObservedKeyInvalid    = "key_invalid"    // 400
+	ObservedNoKey         = "no_key"         // no key, none required: ran unprotected
+	ObservedRejected      = "rejected"       // 413 or an unreadable body
+)
+
+func (m *Middleware) observe(r *http.Request, what string) {
+	if m.cfg.Observe != nil {
+		m.cfg.Observe(r, what)
+	}
 }
 
 // Middleware enforces the idempotency contract on a handler.
@@ -296,13 +321,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	key, err := ParseKey(r.Header.Values(HeaderKey), m.cfg.KeyFormat)
 	switch {
 	case errors.Is(err, errKeyMissing) && !m.cfg.RequireKey:
+		m.observe(r, ObservedNoKey)
 		next.ServeHTTP(w, r)
 		return
 	case errors.Is(err, errKeyMissing):
+		m.observe(r, ObservedKeyMissing)
 		(&Problem{Type: ProblemKeyMissing, Title: "Idempotency-Key required", Status: http.StatusBadRequest,
 			Detail: fmt.Sprintf("%s %s requires an Idempotency-Key header", r.Method, r.URL.Path)}).Write(w)
 		return
 	case err != nil:
+		m.observe(r, ObservedKeyInvalid)
 		(&Problem{Type: ProblemKeyInvalid, Title: "Idempotency-Key malformed", Status: http.StatusBadRequest, Detail: err.Error()}).Write(w)
 		return
 	}
@@ -312,10 +340,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, m.cfg.MaxRequestBody+1))
 	if err != nil {
+		m.observe(r, ObservedRejected)
 		(&Problem{Type: ProblemRequestUnreadable, Title: "Request body unreadable", Status: http.StatusBadRequest, Detail: err.Error()}).Write(w)
 		return
 	}
 	if int64(len(body)) > m.cfg.MaxRequestBody {
+		m.observe(r, ObservedRejected)
 		(&Problem{Type: ProblemRequestTooLarge, Title: "Request body too large", Status: http.StatusRequestEntityTooLarge,
 			Detail: fmt.Sprintf("an idempotent request body may be at most %d bytes", m.cfg.MaxRequestBody)}).Write(w)
 		return
@@ -341,10 +371,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		if m.cfg.FailOpen && r.Context().Err() == nil {
+			m.observe(r, ObservedFailOpen)
 			log.Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
 			next.ServeHTTP(w, r)
 			return
 		}
+		m.observe(r, ObservedStoreError)
 		log.Error("idempotency store unavailable: refusing (fail-closed)", "err", err)
 		(&Problem{Type: ProblemStoreUnavailable, Title: "Idempotency store unavailable", Status: http.StatusServiceUnavailable,
 			Detail: "the request was not run; retry it with the same key", RetryAfter: time.Second}).Write(w)
@@ -352,19 +384,28 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	switch out.Decision {
 	case idem.Execute:
+		m.observe(r, ObservedExecuted)
 		m.execute(w, r, next, out.Lease, log)
 	case idem.Replay:
+		if out.Record.Response.BodyOmitted {
+			m.observe(r, ObservedNotReplayable)
+		} else {
+			m.observe(r, ObservedReplayed)
+		}
 		replay(w, out.Record.Response)
 	case idem.Mismatch:
+		m.observe(r, ObservedMismatch)
 		(&Problem{Type: ProblemPayloadMismatch, Title: "Idempotency-Key reused with a different payload", Status: http.StatusUnprocessableEntity,
 			Detail:  fmt.Sprintf("this key was first used with a request that differs in %s", strings.Join(out.Diff, ", ")),
 			Differs: out.Diff}).Write(w)
 	case idem.InFlight:
+		m.observe(r, ObservedInFlight)
 		// The lease's end is only an upper bound on when the first request
 		// finishes; most finish far sooner, so ask for a prompt retry.
 		(&Problem{Type: ProblemInProgress, Title: "A request with this Idempotency-Key is in progress", Status: http.StatusConflict,
 			Detail: "retry after the first request finishes", RetryAfter: min(out.RetryAfter, InProgressRetryAfter)}).Write(w)
 	case idem.Uncertain:
+		m.observe(r, ObservedUncertain)
 		(&Problem{Type: ProblemUncertain, Title: "The outcome of the first request with this Idempotency-Key is unknown", Status: http.StatusConflict,
 			Detail: "it may or may not have taken effect; it will not be run again until that is resolved"}).Write(w)
 	}

@@ -674,3 +674,26 @@ func TestHijackedResponseIsNotReplayable(t *testing.T) {
 		t.Fatalf("ran %d times", a.runs.Load())
 	}
 }
+
+func TestObserve(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), RequireKey: true, Observe: func(r *http.Request, what string) {
+		mu.Lock()
+		seen = append(seen, what)
+		mu.Unlock()
+	}}, a)
+	send(t, srv, "POST", "/pay", "k", "x")
+	send(t, srv, "POST", "/pay", "k", "x")
+	send(t, srv, "POST", "/pay", "k", "y")
+	send(t, srv, "POST", "/pay", "", "x")
+	send(t, srv, "POST", "/pay", `"bad`, "x")
+	send(t, srv, "GET", "/pay", "", "")
+	want := []string{httpidem.ObservedExecuted, httpidem.ObservedReplayed, httpidem.ObservedMismatch, httpidem.ObservedKeyMissing, httpidem.ObservedKeyInvalid}
+	mu.Lock()
+	defer mu.Unlock()
+	if !reflect.DeepEqual(seen, want) {
+		t.Fatalf("observed %v, want %v (GET is not covered)", seen, want)
+	}
+}

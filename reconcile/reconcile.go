@@ -112,6 +112,9 @@ type Config struct {
 	// Logger receives a line per settled record and per error. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
+	// OnPass, when set, gets the report of every pass Start runs. For
+	// metrics.
+	OnPass func(Report)
 }
 
 // Reconciler settles stale records. It is safe for concurrent use.
@@ -273,7 +276,11 @@ func (r *Reconciler) Start(ctx context.Context) {
 		ticker := time.NewTicker(r.cfg.Interval)
 		defer ticker.Stop()
 		for {
-			if rep, err := r.RunOnce(ctx); err != nil && ctx.Err() == nil {
+			rep, err := r.RunOnce(ctx)
+			if err == nil && r.cfg.OnPass != nil {
+				r.cfg.OnPass(rep)
+			}
+			if err != nil && ctx.Err() == nil {
 				r.log.Error("reconcile: pass failed", "err", err)
 			} else if rep.Completed+rep.Failed+rep.Unknown+rep.Errors > 0 {
 				r.log.Info("reconcile: pass", "stale", rep.Stale, "completed", rep.Completed, "failed", rep.Failed,

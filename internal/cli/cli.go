@@ -20,6 +20,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/telemetry"
 )
 
 // Env reads environment variables (os.Getenv in production).
@@ -226,6 +227,12 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		return 1
 	}
 	defer opened.Close()
+	tel, err := telemetry.New(ctx, env)
+	if err != nil {
+		fmt.Fprintln(stderr, "idem proxy: telemetry:", err)
+		return 1
+	}
+	defer tel.Shutdown(context.WithoutCancel(ctx))
 	var notifier idem.Notifier
 	if opened.NewNotifier != nil && cfg.Waits() {
 		if notifier, err = opened.NewNotifier(ctx); err != nil {
@@ -233,12 +240,13 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 			return 1
 		}
 	}
-	eng, err := idem.New(idem.Config{Store: opened.Store, Notifier: notifier, Lease: cfg.Lease, Retention: cfg.Retention})
+	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Notifier: notifier, Lease: cfg.Lease, Retention: cfg.Retention})
 	if err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 2
 	}
-	if err := proxy.Serve(ctx, cfg, eng, log, nil); err != nil {
+	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics()}
+	if err := proxy.Serve(ctx, cfg, eng, log, hooks, nil); err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 1
 	}

@@ -13,7 +13,9 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/payments"
+	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
 )
 
@@ -29,6 +31,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	lease := fs.Duration("lease", idem.DefaultLease, "lease length")
 	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner")
 	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
+	admin := fs.String("admin-listen", "127.0.0.1:8091", "address of /healthz, /readyz and /metrics (empty: off)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -50,7 +53,12 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return fail(err)
 	}
-	eng, err := idem.New(idem.Config{Store: opened.Store, Lease: *lease})
+	tel, err := telemetry.New(ctx, env)
+	if err != nil {
+		return fail(err)
+	}
+	defer tel.Shutdown(context.WithoutCancel(ctx))
+	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Lease: *lease})
 	if err != nil {
 		return fail(err)
 	}
@@ -78,7 +86,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		}
 		fmt.Fprintf(stdout, "simulated card acquirer on %s (switch faults with PUT %s/faults)\n", *acquirerURL, *acquirerURL)
 	}
-	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: *acquirerURL, Logger: log})
+	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: *acquirerURL, Logger: log, Observe: tel.Observe})
 	if err != nil {
 		return fail(err)
 	}
@@ -89,15 +97,22 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return fail(err)
 	}
-	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: *grace, Interval: *every, Logger: log})
+	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: *grace, Interval: *every, Logger: log, OnPass: tel.OnPass})
 	if err != nil {
 		return fail(err)
 	}
 	rec.Start(ctx)
 	defer rec.Stop()
-	api, err := serve(*listen, h)
+	api, err := serve(*listen, tel.Wrap(h))
 	if err != nil {
 		return fail(err)
+	}
+	if *admin != "" {
+		url, err := serve(*admin, proxy.Admin(eng, tel.Metrics()))
+		if err != nil {
+			return fail(err)
+		}
+		fmt.Fprintf(stdout, "admin on %s (/healthz, /readyz, /metrics)\n", url)
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)

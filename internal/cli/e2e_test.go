@@ -39,10 +39,11 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+)`)
+var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+) upstream=\S+ admin=(\S*)`)
 
-// startProxy runs `idem proxy` as a real process and returns it with its address.
-func startProxy(t *testing.T, args ...string) (*exec.Cmd, string) {
+// startProxy runs `idem proxy` as a real process and returns it with its
+// address and its admin address (when --admin-listen was given).
+func startProxy(t *testing.T, args ...string) (*exec.Cmd, string, string) {
 	t.Helper()
 	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
 	stderr, err := cmd.StderrPipe()
@@ -53,13 +54,13 @@ func startProxy(t *testing.T, args ...string) (*exec.Cmd, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	addr := make(chan string, 1)
+	addr := make(chan []string, 1)
 	go func() {
 		defer close(addr)
 		lines := bufio.NewScanner(stderr)
 		for lines.Scan() {
 			if m := listening.FindStringSubmatch(lines.Text()); m != nil {
-				addr <- m[1]
+				addr <- m
 				io.Copy(io.Discard, stderr)
 				return
 			}
@@ -67,15 +68,19 @@ func startProxy(t *testing.T, args ...string) (*exec.Cmd, string) {
 		}
 	}()
 	select {
-	case a, ok := <-addr:
+	case m, ok := <-addr:
 		if !ok {
 			t.Fatal("idem proxy exited before listening")
 		}
-		return cmd, "http://" + a
+		admin := strings.Trim(m[2], `"`)
+		if admin != "" {
+			admin = "http://" + admin
+		}
+		return cmd, "http://" + m[1], admin
 	case <-time.After(30 * time.Second):
 		t.Fatal("idem proxy did not say it was listening within 30s")
 	}
-	return nil, ""
+	return nil, "", ""
 }
 
 func post(url, key string) (int, string, error) {
@@ -125,7 +130,7 @@ func TestKilledProxyNeverRunsTwice(t *testing.T) {
 	os.WriteFile(config, []byte("lease: 1s\nroutes:\n  - match: POST /tx\n    takeover_safe: true\n"), 0o600)
 	args := []string{"--upstream", upstream.URL, "--store", "sqlite:" + filepath.Join(dir, "idem.db"), "--config", config}
 
-	proc, url := startProxy(t, args...)
+	proc, url, _ := startProxy(t, args...)
 	for _, path := range []string{"/charge", "/tx"} {
 		go post(url+path, "key"+path) // this client never hears back
 	}
@@ -134,7 +139,7 @@ func TestKilledProxyNeverRunsTwice(t *testing.T) {
 	proc.Process.Kill()
 	proc.Wait()
 
-	_, url = startProxy(t, args...)
+	_, url, _ = startProxy(t, args...)
 	retry := func(path string) (int, string) {
 		deadline := time.Now().Add(20 * time.Second)
 		for {
@@ -220,6 +225,7 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 		fmt.Fprintf(w, `{"execution":%d}`, n.Add(1))
 	}))
 	defer upstream.Close()
+	// Keyed by the store's metric label.
 	stores := map[string]string{"memory": "memory:", "sqlite": "sqlite:" + filepath.Join(t.TempDir(), "idem.db")}
 	if pg := os.Getenv("IDEM_TEST_DATABASE_URL"); pg != "" {
 		sep := "?"
@@ -236,8 +242,20 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 	}
 	for name, dsn := range stores {
 		t.Run(name, func(t *testing.T) {
-			_, url := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key")
+			_, url, admin := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key", "--admin-listen", "127.0.0.1:0")
 			verifyOK(t, "--url", url+"/v1/charges", "--require-key", "--credential", "Bearer a", "--credential", "Bearer b")
+			resp, err := http.Get(admin + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			metrics, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			for _, want := range []string{`idem_requests_total{outcome="replayed"}`, `idem_requests_total{outcome="mismatch"}`,
+				`idem_store_operation_duration_seconds_count{operation="acquire",result="ok",store="` + name + `"}`} {
+				if !strings.Contains(string(metrics), want) {
+					t.Errorf("/metrics lacks %s", want)
+				}
+			}
 		})
 	}
 }
@@ -245,7 +263,7 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 var demoListening = regexp.MustCompile(`payments API listening on (http://\S+)`)
 
 func TestVerifyPassesAgainstTheDemo(t *testing.T) {
-	_, url := startProcess(t, demoListening, "demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0",
+	_, url := startProcess(t, demoListening, "demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
 		"--store", "sqlite:"+filepath.Join(t.TempDir(), "demo.db"))
 	verifyOK(t, "--url", url+"/v1/charges", "--body", `{"amount":100,"currency":"eur","customer":"cus_1"}`,
 		"--changed-body", `{"amount":101,"currency":"eur","customer":"cus_1"}`, "--require-key", "--credential", "Bearer sk_a", "--credential", "Bearer sk_b")

@@ -48,6 +48,8 @@ type Config struct {
 	AcquirerTimeout time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+	// Observe is passed to the middleware (httpidem.Config.Observe).
+	Observe func(*http.Request, string)
 }
 
 // Service is the payments API.
@@ -110,6 +112,7 @@ func (s *Service) Handler() (http.Handler, error) {
 		Scope:         httpidem.HashScope("Authorization"),
 		CanonicalJSON: true,
 		Logger:        s.log,
+		Observe:       s.cfg.Observe,
 	})
 	if err != nil {
 		return nil, err

@@ -151,9 +151,19 @@ func (r Rules) inherit(d Rules) Rules {
 	return r
 }
 
+// Hooks connect the proxy to telemetry; every field is optional.
+type Hooks struct {
+	// Observe is told what became of each covered request (httpidem.Config.Observe).
+	Observe func(*http.Request, string)
+	// Wrap wraps the whole proxied handler (a span per request, say).
+	Wrap func(http.Handler) http.Handler
+	// Metrics is served at /metrics on the admin listener.
+	Metrics http.Handler
+}
+
 // middleware turns rules into the httpidem configuration.
-func (r Rules) middleware(eng *idem.Engine, log *slog.Logger) (*httpidem.Middleware, error) {
-	cfg := httpidem.Config{
+func (r Rules) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http.Request, string)) (*httpidem.Middleware, error) {
+	cfg := httpidem.Config{Observe: observe,
 		Engine: eng, Methods: r.Methods, RequireKey: r.RequireKey != nil && *r.RequireKey,
 		Lease: r.Lease, Retention: r.Retention, Wait: r.Wait,
 		TakeoverSafe:  r.TakeoverSafe != nil && *r.TakeoverSafe,
@@ -210,7 +220,7 @@ func (cfg Config) upstreamURL() (*url.URL, error) {
 }
 
 // Handler builds the proxying handler: routes, middleware and upstream.
-func Handler(cfg Config, eng *idem.Engine, log *slog.Logger) (http.Handler, error) {
+func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.Handler, error) {
 	target, err := cfg.upstreamURL()
 	if err != nil {
 		return nil, err
@@ -226,7 +236,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger) (http.Handler, erro
 		}()
 		var h http.Handler = up
 		if rules.Bypass == nil || !*rules.Bypass {
-			mw, err := rules.middleware(eng, log)
+			mw, err := rules.middleware(eng, log, hooks.Observe)
 			if err != nil {
 				return fmt.Errorf("route %q: %w", pattern, err)
 			}
@@ -248,6 +258,9 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger) (http.Handler, erro
 		if err := add("/", cfg.Defaults); err != nil {
 			return nil, err
 		}
+	}
+	if hooks.Wrap != nil {
+		return hooks.Wrap(mux), nil
 	}
 	return mux, nil
 }
@@ -297,9 +310,13 @@ func isTimeout(err error) bool {
 	return errors.As(err, &ne) && ne.Timeout()
 }
 
-// Admin serves /healthz (the process is up) and /readyz (the store answers).
-func Admin(eng *idem.Engine) http.Handler {
+// Admin serves /healthz (the process is up), /readyz (the store answers)
+// and, when metrics is not nil, /metrics.
+func Admin(eng *idem.Engine, metrics http.Handler) http.Handler {
 	mux := http.NewServeMux()
+	if metrics != nil {
+		mux.Handle("GET /metrics", metrics)
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "ok")
 	})
@@ -320,8 +337,8 @@ func Admin(eng *idem.Engine) http.Handler {
 // is cancelled, then shuts down gracefully: in-flight requests finish and
 // store their outcome. ready, when not nil, receives the proxied address once
 // listening.
-func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, ready func(addr, admin string)) error {
-	h, err := Handler(cfg, eng, log)
+func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks, ready func(addr, admin string)) error {
+	h, err := Handler(cfg, eng, log, hooks)
 	if err != nil {
 		return err
 	}
@@ -340,7 +357,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, 
 			return err
 		}
 		adminAddr = aln.Addr().String()
-		admin := &http.Server{Handler: Admin(eng), ReadHeaderTimeout: 10 * time.Second}
+		admin := &http.Server{Handler: Admin(eng, hooks.Metrics), ReadHeaderTimeout: 10 * time.Second}
 		servers = append(servers, admin)
 		go func() { errs <- admin.Serve(aln) }()
 	}

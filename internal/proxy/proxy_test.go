@@ -69,7 +69,7 @@ func start(t *testing.T, cfg proxy.Config, eng *idem.Engine, up http.Handler) *h
 	if cfg.Upstream == "" {
 		cfg.Upstream = upstream.URL
 	}
-	h, err := proxy.Handler(cfg, eng, quiet)
+	h, err := proxy.Handler(cfg, eng, quiet, proxy.Hooks{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -286,7 +286,7 @@ func TestBadRoutesAreRefused(t *testing.T) {
 		"duplicate routes": {Upstream: "http://x", Routes: []proxy.Route{{Match: "/a"}, {Match: "/a"}}},
 		"bad key format":   {Upstream: "http://x", Defaults: proxy.Rules{KeyFormat: "ulid"}},
 	} {
-		if _, err := proxy.Handler(cfg, eng, quiet); err == nil {
+		if _, err := proxy.Handler(cfg, eng, quiet, proxy.Hooks{}); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
 	}
@@ -303,7 +303,7 @@ func TestAdmin(t *testing.T) {
 		store idem.Store
 		ready int
 	}{"up": {memstore.New(), 200}, "down": {downStore{memstore.New()}, 503}} {
-		srv := httptest.NewServer(proxy.Admin(mustEngine(t, c.store)))
+		srv := httptest.NewServer(proxy.Admin(mustEngine(t, c.store), nil))
 		defer srv.Close()
 		for path, want := range map[string]int{"/healthz": 200, "/readyz": c.ready} {
 			resp, err := http.Get(srv.URL + path)
@@ -334,7 +334,7 @@ func TestGracefulShutdown(t *testing.T) {
 	addr := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, quiet,
+		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, quiet, proxy.Hooks{},
 			func(a, _ string) { addr <- a })
 	}()
 	url := "http://" + <-addr + "/pay"

@@ -32,6 +32,8 @@ const Default = "sqlite:idem.db"
 // Opened is an open store with what else it offers.
 type Opened struct {
 	Store idem.Store
+	// Kind names the store: memory, sqlite, postgres or redis.
+	Kind string
 	// NewNotifier starts a notifier that wakes waiters across instances
 	// (PostgreSQL LISTEN/NOTIFY, Redis pub/sub); nil for stores that have
 	// none. Close closes it too. It costs a round trip per settled record,
@@ -62,7 +64,7 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 	scheme, rest, _ := strings.Cut(dsn, ":")
 	switch scheme {
 	case "memory", "mem":
-		return &Opened{Store: memstore.New(), Close: func() error { return nil }}, nil
+		return &Opened{Store: memstore.New(), Kind: "memory", Close: func() error { return nil }}, nil
 	case "sqlite", "sqlite3", "file":
 		path := strings.TrimPrefix(rest, "//")
 		if path == "" {
@@ -72,7 +74,7 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &Opened{Store: s, Close: s.Close}, nil
+		return &Opened{Store: s, Kind: "sqlite", Close: s.Close}, nil
 	case "postgres", "postgresql":
 		return openPostgres(ctx, dsn)
 	case "redis", "rediss", "redis+cluster", "rediss+cluster":
@@ -110,7 +112,7 @@ func openPostgres(ctx context.Context, dsn string) (*Opened, error) {
 		return nil, err
 	}
 	c := &closer{store: func() error { pool.Close(); return nil }}
-	return &Opened{Store: s, Close: c.close, PGPool: pool, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
+	return &Opened{Store: s, Kind: "postgres", Close: c.close, PGPool: pool, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
 		n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool})
 		if err == nil {
 			c.notifier = n
@@ -144,7 +146,7 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 		return nil, err
 	}
 	c := &closer{store: client.Close}
-	return &Opened{Store: s, Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
+	return &Opened{Store: s, Kind: "redis", Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
 		n, err := redisstore.NewNotifier(ctx, redisstore.NotifierConfig{Client: client})
 		if err == nil {
 			c.notifier = n

@@ -1,0 +1,212 @@
+// Package telemetry gives `idem proxy` and `idem demo` their Prometheus
+// metrics and OpenTelemetry traces.
+//
+// Metrics (served at /metrics on the admin listener):
+//
+//	idem_requests_total{outcome}                          what became of each covered request (httpidem.Observed*)
+//	idem_store_operation_duration_seconds{store,operation,result}  store latency: result ok, lease_lost, not_found, unavailable, error
+//	idem_leases_lost_total                                writes refused because the lease was lost
+//	idem_reconciler_records{kind}                         the last reconciler pass: stale, waiting, unknown
+//	idem_reconciler_settled_total{outcome}                records the reconciler settled: completed, failed
+//
+// Traces are off unless the standard OpenTelemetry variables ask for them
+// (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, with
+// OTEL_TRACES_EXPORTER unset or "otlp"; OTEL_SERVICE_NAME names the
+// service). Then each request is a span, each store operation a child span.
+package telemetry
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/reconcile"
+)
+
+// Telemetry holds a process's metrics and tracer.
+type Telemetry struct {
+	registry   *prometheus.Registry
+	requests   *prometheus.CounterVec
+	storeOps   *prometheus.HistogramVec
+	leasesLost prometheus.Counter
+	records    *prometheus.GaugeVec
+	settled    *prometheus.CounterVec
+	tracer     trace.Tracer
+	shutdown   func(context.Context) error
+}
+
+// New sets up metrics, and traces when the environment (getenv) asks for them.
+func New(ctx context.Context, getenv func(string) string) (*Telemetry, error) {
+	t := &Telemetry{
+		registry: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_requests_total",
+			Help: "Covered requests by what became of them."}, []string{"outcome"}),
+		storeOps: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "idem_store_operation_duration_seconds",
+			Help: "Store operation latency.", Buckets: prometheus.ExponentialBuckets(0.0001, 2.5, 14)},
+			[]string{"store", "operation", "result"}),
+		leasesLost: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_leases_lost_total",
+			Help: "Writes refused because the lease was lost (taken over, settled elsewhere, or expired)."}),
+		records: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "idem_reconciler_records",
+			Help: "Records seen by the last reconciler pass."}, []string{"kind"}),
+		settled: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_reconciler_settled_total",
+			Help: "Records the reconciler settled."}, []string{"outcome"}),
+		tracer:   noop.NewTracerProvider().Tracer("idem"),
+		shutdown: func(context.Context) error { return nil },
+	}
+	t.registry.MustRegister(t.requests, t.storeOps, t.leasesLost, t.records, t.settled,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	endpoint := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+	if endpoint == "" && getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" {
+		endpoint = strings.TrimSuffix(getenv("OTEL_EXPORTER_OTLP_ENDPOINT"), "/") + "/v1/traces"
+	}
+	if exporter := getenv("OTEL_TRACES_EXPORTER"); endpoint == "" || (exporter != "" && exporter != "otlp") {
+		return t, nil
+	}
+	exp, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
+	if err != nil {
+		return nil, err
+	}
+	name := getenv("OTEL_SERVICE_NAME")
+	if name == "" {
+		name = "idem"
+	}
+	res, err := resource.Merge(resource.Default(), resource.NewSchemaless(semconv.ServiceName(name)))
+	if err != nil {
+		return nil, err
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	t.tracer, t.shutdown = tp.Tracer("github.com/idemhq/idem"), tp.Shutdown
+	return t, nil
+}
+
+// Shutdown flushes the traces.
+func (t *Telemetry) Shutdown(ctx context.Context) error { return t.shutdown(ctx) }
+
+// Metrics serves the Prometheus metrics.
+func (t *Telemetry) Metrics() http.Handler {
+	return promhttp.HandlerFor(t.registry, promhttp.HandlerOpts{})
+}
+
+// Observe counts what became of a request, for httpidem.Config.Observe, and
+// labels its span.
+func (t *Telemetry) Observe(r *http.Request, outcome string) {
+	t.requests.WithLabelValues(outcome).Inc()
+	trace.SpanFromContext(r.Context()).SetAttributes(attribute.String("idem.outcome", outcome))
+}
+
+// OnPass records a reconciler pass, for reconcile.Config.OnPass.
+func (t *Telemetry) OnPass(rep reconcile.Report) {
+	t.records.WithLabelValues("stale").Set(float64(rep.Stale))
+	t.records.WithLabelValues("waiting").Set(float64(rep.Waiting))
+	t.records.WithLabelValues("unknown").Set(float64(rep.Unknown))
+	t.settled.WithLabelValues("completed").Add(float64(rep.Completed))
+	t.settled.WithLabelValues("failed").Add(float64(rep.Failed))
+}
+
+// Wrap makes each request a span, continuing a trace the caller propagated.
+func (t *Telemetry) Wrap(h http.Handler) http.Handler {
+	prop := propagation.TraceContext{}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := prop.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+		ctx, span := t.tracer.Start(ctx, r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindServer),
+			trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("url.path", r.URL.Path)))
+		defer span.End()
+		h.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
+
+// Store instruments s: a latency observation and a span per operation.
+// name labels it (sqlite, postgres, redis, memory).
+func (t *Telemetry) Store(name string, s idem.Store) idem.Store {
+	return &store{t: t, name: name, next: s}
+}
+
+type store struct {
+	t    *Telemetry
+	name string
+	next idem.Store
+}
+
+var _ idem.Store = (*store)(nil)
+
+func result(err error) string {
+	switch {
+	case err == nil:
+		return "ok"
+	case errors.Is(err, idem.ErrLeaseLost):
+		return "lease_lost"
+	case errors.Is(err, idem.ErrNotFound):
+		return "not_found"
+	case errors.Is(err, idem.ErrUnavailable):
+		return "unavailable"
+	}
+	return "error"
+}
+
+func (s *store) observe(ctx context.Context, op string, fn func(context.Context) error) {
+	ctx, span := s.t.tracer.Start(ctx, "idem.store."+op, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("idem.store", s.name)))
+	start := time.Now()
+	err := fn(ctx)
+	res := result(err)
+	s.t.storeOps.WithLabelValues(s.name, op, res).Observe(time.Since(start).Seconds())
+	if res == "lease_lost" {
+		s.t.leasesLost.Inc()
+	}
+	span.SetAttributes(attribute.String("idem.result", res))
+	if res == "unavailable" || res == "error" {
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
+
+func (s *store) Acquire(ctx context.Context, p idem.AcquireParams) (r idem.Record, err error) {
+	s.observe(ctx, "acquire", func(ctx context.Context) error { r, err = s.next.Acquire(ctx, p); return err })
+	return r, err
+}
+
+func (s *store) Renew(ctx context.Context, p idem.RenewParams) (err error) {
+	s.observe(ctx, "renew", func(ctx context.Context) error { err = s.next.Renew(ctx, p); return err })
+	return err
+}
+
+func (s *store) Checkpoint(ctx context.Context, p idem.CheckpointParams) (err error) {
+	s.observe(ctx, "checkpoint", func(ctx context.Context) error { err = s.next.Checkpoint(ctx, p); return err })
+	return err
+}
+
+func (s *store) Finish(ctx context.Context, p idem.FinishParams) (err error) {
+	s.observe(ctx, "finish", func(ctx context.Context) error { err = s.next.Finish(ctx, p); return err })
+	return err
+}
+
+func (s *store) Get(ctx context.Context, p idem.GetParams) (r idem.Record, err error) {
+	s.observe(ctx, "get", func(ctx context.Context) error { r, err = s.next.Get(ctx, p); return err })
+	return r, err
+}
+
+func (s *store) Scan(ctx context.Context, p idem.ScanParams) (r idem.ScanResult, err error) {
+	s.observe(ctx, "scan", func(ctx context.Context) error { r, err = s.next.Scan(ctx, p); return err })
+	return r, err
+}
+
+func (s *store) Prune(ctx context.Context, p idem.PruneParams) (n int, err error) {
+	s.observe(ctx, "prune", func(ctx context.Context) error { n, err = s.next.Prune(ctx, p); return err })
+	return n, err
+}

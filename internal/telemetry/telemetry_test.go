@@ -1,0 +1,144 @@
+package telemetry_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/telemetry"
+	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store/memstore"
+)
+
+func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+// serve puts a handler behind the middleware, the telemetry's store wrapper
+// and its request spans, as the proxy does.
+func serve(t *testing.T, tel *telemetry.Telemetry) (*httptest.Server, *idem.Engine) {
+	t.Helper()
+	eng, _ := idem.New(idem.Config{Store: tel.Store("memory", memstore.New())})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, Observe: tel.Observe})
+	srv := httptest.NewServer(tel.Wrap(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(201)
+	}))))
+	t.Cleanup(srv.Close)
+	return srv, eng
+}
+
+func post(t *testing.T, url, key, body string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+}
+
+func TestMetrics(t *testing.T) {
+	tel, err := telemetry.New(context.Background(), envOf(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, eng := serve(t, tel)
+	post(t, srv.URL, "k", "a")
+	post(t, srv.URL, "k", "a")
+	post(t, srv.URL, "k", "b")
+	out, err := eng.Begin(context.Background(), idem.BeginParams{Key: "lost", Fingerprint: idem.NewFingerprint(idem.Payload{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out.Lease.Token = strings.Repeat("0", 32)
+	eng.Renew(context.Background(), out.Lease) // refused: a lost lease
+	tel.OnPass(reconcile.Report{Stale: 3, Waiting: 1, Unknown: 2, Completed: 4})
+
+	rec := httptest.NewRecorder()
+	tel.Metrics().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body := rec.Body.String()
+	for _, want := range []string{
+		`idem_requests_total{outcome="executed"} 1`,
+		`idem_requests_total{outcome="replayed"} 1`,
+		`idem_requests_total{outcome="mismatch"} 1`,
+		`idem_store_operation_duration_seconds_count{operation="acquire",result="ok",store="memory"} 4`,
+		`idem_store_operation_duration_seconds_count{operation="finish",result="ok",store="memory"} 1`,
+		`idem_store_operation_duration_seconds_count{operation="renew",result="lease_lost",store="memory"} 1`,
+		`idem_leases_lost_total 1`,
+		`idem_reconciler_records{kind="unknown"} 2`,
+		`idem_reconciler_settled_total{outcome="completed"} 4`,
+		`go_goroutines`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+
+// receiver is an OTLP/HTTP trace endpoint that keeps what it gets.
+type receiver struct {
+	mu     sync.Mutex
+	bodies [][]byte
+}
+
+func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	b, _ := io.ReadAll(req.Body)
+	r.mu.Lock()
+	if req.URL.Path == "/v1/traces" && req.Header.Get("Content-Type") == "application/x-protobuf" {
+		r.bodies = append(r.bodies, b)
+	}
+	r.mu.Unlock()
+}
+
+func (r *receiver) got(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, b := range r.bodies {
+		if bytes.Contains(b, []byte(name)) {
+			return true
+		}
+	}
+	return false
+}
+
+func TestTracesExportedWhenConfigured(t *testing.T) {
+	collector := &receiver{}
+	otlp := httptest.NewServer(collector)
+	defer otlp.Close()
+	tel, err := telemetry.New(context.Background(), envOf(map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.URL, "OTEL_SERVICE_NAME": "payments-test"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := serve(t, tel)
+	post(t, srv.URL+"/v1/charges", "k", "a")
+	if err := tel.Shutdown(context.Background()); err != nil { // flushes
+		t.Fatal(err)
+	}
+	for _, name := range []string{"POST /v1/charges", "idem.store.acquire", "idem.store.finish", "payments-test", "idem.outcome"} {
+		if !collector.got(name) {
+			t.Errorf("no exported span mentions %q", name)
+		}
+	}
+}
+
+func TestTracesOffWhenExporterIsNone(t *testing.T) {
+	collector := &receiver{}
+	otlp := httptest.NewServer(collector)
+	defer otlp.Close()
+	tel, err := telemetry.New(context.Background(), envOf(map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.URL, "OTEL_TRACES_EXPORTER": "none"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := serve(t, tel)
+	post(t, srv.URL, "k", "a")
+	tel.Shutdown(context.Background())
+	if collector.got("idem.store.acquire") {
+		t.Fatal("spans exported with OTEL_TRACES_EXPORTER=none")
+	}
+}
