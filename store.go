@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -44,6 +45,26 @@ type Store interface {
 	// p.Now and reports how many it deleted. Stores whose server expires
 	// records by itself (Redis TTL) may report 0.
 	Prune(ctx context.Context, p PruneParams) (int, error)
+}
+
+// BodyLimiter is implemented by stores that cannot keep response bodies of
+// any size (DynamoDB's items are capped at 400 KB, Memcached's at 1 MB). A
+// store that implements it never fails a Finish for a body over MaxBody: it
+// stores the outcome with the body omitted (Response.BodyOmitted), so a
+// retry is told honestly that the response cannot be replayed, and callers
+// (httpidem) cap what they try to store at MaxBody. math.MaxInt means no
+// limit.
+type BodyLimiter interface {
+	MaxBody() int
+}
+
+// MaxBody is the largest response body s keeps: its BodyLimiter's limit,
+// or math.MaxInt.
+func MaxBody(s Store) int {
+	if l, ok := s.(BodyLimiter); ok {
+		return l.MaxBody()
+	}
+	return math.MaxInt
 }
 
 // AcquireParams asks a store to create a record or return the existing one.

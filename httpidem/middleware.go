@@ -97,7 +97,8 @@ type Config struct {
 	// [DefaultMaxRequestBody].
 	MaxRequestBody int64
 	// MaxResponseBody is the largest body stored. Defaults to
-	// [DefaultMaxResponseBody].
+	// [DefaultMaxResponseBody], and is never more than the store keeps
+	// (idem.MaxBody).
 	MaxResponseBody int64
 	// StoreHeaders, when set, is an allowlist: only these response headers
 	// are stored and replayed. Defaults to nil: every header but
@@ -169,6 +170,8 @@ func New(cfg Config) (*Middleware, error) {
 	if cfg.MaxResponseBody == 0 {
 		cfg.MaxResponseBody = DefaultMaxResponseBody
 	}
+	// Never ask the store to keep more than it can.
+	cfg.MaxResponseBody = min(cfg.MaxResponseBody, int64(idem.MaxBody(cfg.Engine.Store())))
 	if len(cfg.Methods) == 0 {
 		cfg.Methods = DefaultMethods
 	}

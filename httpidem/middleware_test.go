@@ -697,3 +697,14 @@ func TestObserve(t *testing.T) {
 		t.Fatalf("observed %v, want %v (GET is not covered)", seen, want)
 	}
 }
+
+// TestStoreBodyLimitCapsWhatIsKept: behind a store that keeps at most 10
+// bytes of body, a larger answer is delivered once and not replayed.
+func TestStoreBodyLimitCapsWhatIsKept(t *testing.T) {
+	a := &app{handler: func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "twenty bytes of body") }}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.NewLimited(10))}, a)
+	if r := send(t, srv, "POST", "/pay", "k", "x"); r.body != "twenty bytes of body" {
+		t.Fatalf("first answer %q", r.body)
+	}
+	wantProblem(t, send(t, srv, "POST", "/pay", "k", "x"), 409, httpidem.ProblemNotReplayable)
+}

@@ -143,7 +143,13 @@ type store struct {
 	next idem.Store
 }
 
-var _ idem.Store = (*store)(nil)
+var (
+	_ idem.Store       = (*store)(nil)
+	_ idem.BodyLimiter = (*store)(nil)
+)
+
+// MaxBody passes on the wrapped store's limit.
+func (s *store) MaxBody() int { return idem.MaxBody(s.next) }
 
 func result(err error) string {
 	switch {

@@ -9,6 +9,7 @@ package memstore
 import (
 	"context"
 	"maps"
+	"math"
 	"slices"
 	"sync"
 
@@ -21,12 +22,27 @@ var _ idem.Store = (*Store)(nil)
 type Store struct {
 	mu      sync.Mutex
 	records map[string]*idem.Record
+	maxBody int
 }
+
+var _ idem.BodyLimiter = (*Store)(nil)
 
 // New returns an empty store.
 func New() *Store {
-	return &Store{records: make(map[string]*idem.Record)}
+	return &Store{records: make(map[string]*idem.Record), maxBody: math.MaxInt}
 }
+
+// NewLimited returns an empty store that keeps response bodies of at most
+// maxBody bytes, as stores with an item size limit do (see
+// [idem.BodyLimiter]); for tests of that behaviour.
+func NewLimited(maxBody int) *Store {
+	s := New()
+	s.maxBody = maxBody
+	return s
+}
+
+// MaxBody implements [idem.BodyLimiter].
+func (s *Store) MaxBody() int { return s.maxBody }
 
 // id joins scope and key; neither may hold a NUL byte, so it is unambiguous.
 func id(scope, key string) string { return scope + "\x00" + key }
@@ -72,6 +88,9 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		return err
 	}
 	p.Response = cloneResponse(p.Response)
+	if p.Response != nil && len(p.Response.Body) > s.maxBody {
+		p.Response.Body, p.Response.BodyOmitted = nil, true
+	}
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
 

@@ -11,3 +11,9 @@ import (
 func TestConformance(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idem.Store { return memstore.New() })
 }
+
+// TestConformanceWithBodyLimit runs the suite on a store that keeps bodies
+// of at most 64 KiB, as DynamoDB and Memcached must.
+func TestConformanceWithBodyLimit(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) idem.Store { return memstore.NewLimited(64 << 10) })
+}
