@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/store/pgstore"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // signalWait bounds every wait for a notification. It is only reached when
@@ -135,75 +136,6 @@ func TestNotifierConfig(t *testing.T) {
 	}
 }
 
-// TestNotifierWakesOtherInstance: a notification sent by one instance right
-// after another's NewNotifier returned wakes the other's subscriber (and the
-// sender's own).
-func TestNotifierWakesOtherInstance(t *testing.T) {
-	t.Parallel()
-	channel := newChannel(t)
-	a := newNotifier(t, channel)
-	b := newNotifier(t, channel) // listens once NewNotifier returns
-	onB, cancelB := b.Subscribe("s", "k")
-	defer cancelB()
-	onA, cancelA := a.Subscribe("s", "k")
-	defer cancelA()
-	mustNotify(t, a, "s", "k")
-	woken(t, onB, "the other instance's subscriber")
-	woken(t, onA, "the sending instance's own subscriber")
-}
-
-// TestNotifierKeepsRecordsApart: a notification for another key, or for the
-// same key in another scope, does not wake a subscriber. Notifications sent
-// one after another arrive in that order, so once the marker's has arrived
-// the wrong ones have been handled.
-func TestNotifierKeepsRecordsApart(t *testing.T) {
-	t.Parallel()
-	channel := newChannel(t)
-	a := newNotifier(t, channel)
-	b := newNotifier(t, channel)
-	right, c1 := b.Subscribe("s", "k")
-	defer c1()
-	otherKey, c2 := b.Subscribe("s", "k2")
-	defer c2()
-	otherScope, c3 := b.Subscribe("s2", "k")
-	defer c3()
-	marker, c4 := b.Subscribe("s", "marker")
-	defer c4()
-
-	mustNotify(t, a, "s", "k2")
-	mustNotify(t, a, "s2", "k")
-	mustNotify(t, a, "s", "marker")
-	woken(t, marker, "the marker's subscriber")
-	if !pending(otherKey) || !pending(otherScope) {
-		t.Fatal("the notifications sent before the marker's were not delivered before it")
-	}
-	if pending(right) {
-		t.Fatal("a notification for another key or scope woke the subscriber")
-	}
-	mustNotify(t, a, "s", "k")
-	woken(t, right, "the subscriber")
-	if pending(right) || pending(otherKey) || pending(otherScope) || pending(marker) {
-		t.Fatal("a subscriber was woken twice, or by another record's notification")
-	}
-}
-
-// TestNotifierCancel: a cancelled subscription is no longer woken, and the
-// others on the same record still are.
-func TestNotifierCancel(t *testing.T) {
-	t.Parallel()
-	n := newNotifier(t, newChannel(t))
-	gone, cancelGone := n.Subscribe("s", "k")
-	kept, cancelKept := n.Subscribe("s", "k")
-	defer cancelKept()
-	cancelGone()
-	cancelGone() // twice is harmless
-	mustNotify(t, n, "s", "k")
-	woken(t, kept, "the remaining subscriber")
-	if pending(gone) {
-		t.Fatal("a cancelled subscription was woken")
-	}
-}
-
 // TestNotifierPayloadIsAHash: what another session sees on the channel is a
 // hash of the scope and key, not the key.
 func TestNotifierPayloadIsAHash(t *testing.T) {
@@ -232,69 +164,14 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	}
 }
 
-// acquireSignal reports each Acquire after it returns.
-type acquireSignal struct {
-	idem.Store
-	acquired chan idem.Record
-}
-
-func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
-	r, err := s.Store.Acquire(ctx, p)
-	s.acquired <- r
-	return r, err
-}
-
-// TestNotifierWakesAwaitOnOtherEngine: two engines on one schema, each with
-// its own notifier; a caller waiting in one engine's Await gets the replay
-// as soon as the other engine completes the record. Neither polls nor lets
-// the lease run out within the test, so only the notification can wake it.
-func TestNotifierWakesAwaitOnOtherEngine(t *testing.T) {
-	t.Parallel()
-	store, _ := newStore(t)
-	channel := newChannel(t)
-	first, err := idem.New(idem.Config{Store: store, Notifier: newNotifier(t, channel), Poll: time.Hour, Lease: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sig := &acquireSignal{Store: store, acquired: make(chan idem.Record, 10)}
-	second, err := idem.New(idem.Config{Store: sig, Notifier: newNotifier(t, channel), Poll: time.Hour, Lease: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a")}
-	out, err := first.Begin(ctx, req)
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatalf("first Begin = %v, %v; want execute", out.Decision, err)
-	}
-
-	type result struct {
-		out idem.Outcome
-		err error
-	}
-	waited := make(chan result, 1)
-	go func() {
-		out, err := second.Await(ctx, req, time.Minute)
-		waited <- result{out, err}
-	}()
-	select {
-	case r := <-sig.acquired: // the waiter saw the record in flight and now waits
-		if r.State != idem.StateInProgress {
-			t.Fatalf("the waiter found the record %s", r.State)
-		}
-	case <-time.After(signalWait):
-		t.Fatal("the waiter never looked the record up")
-	}
-	if err := first.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("done")}); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case r := <-waited:
-		if r.err != nil || r.out.Decision != idem.Replay || string(r.out.Record.Response.Body) != "done" {
-			t.Fatalf("the waiter on the other engine got %v, %v; want the replay", r.out.Decision, r.err)
-		}
-	case <-time.After(signalWait):
-		t.Fatal("the waiter on the other engine was not woken by the completion")
-	}
+// TestNotifierConformance runs the notifier suite: two notifiers on one
+// channel, as two processes.
+func TestNotifierConformance(t *testing.T) {
+	storetest.RunNotifier(t, func(t *testing.T) (idem.Store, func() idem.Notifier) {
+		store, _ := newStore(t)
+		channel := newChannel(t)
+		return store, func() idem.Notifier { return newNotifier(t, channel) }
+	})
 }
 
 // started counts the goroutines that the calling goroutine started in
