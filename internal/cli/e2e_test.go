@@ -225,23 +225,35 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 		fmt.Fprintf(w, `{"execution":%d}`, n.Add(1))
 	}))
 	defer upstream.Close()
-	// Keyed by the store's metric label.
-	stores := map[string]string{"memory": "memory:", "sqlite": "sqlite:" + filepath.Join(t.TempDir(), "idem.db")}
-	if pg := os.Getenv("IDEM_TEST_DATABASE_URL"); pg != "" {
-		sep := "?"
-		if strings.Contains(pg, "?") {
-			sep = "&"
+	// Keyed by the store's metric label; the networked ones need their
+	// test server (CI runs them all).
+	with := func(base, q string) string {
+		if strings.Contains(base, "?") {
+			return base + "&" + q
 		}
-		stores["postgres"] = pg + sep + "idem_schema=idem_verify_test"
+		return base + "?" + q
 	}
-	if rd := os.Getenv("IDEM_TEST_REDIS_URL"); rd != "" {
-		stores["redis"] = rd + "?idem_prefix=idem-verify-test"
+	stores := map[string]func(env string) string{
+		"memory":   func(string) string { return "memory:" },
+		"sqlite":   func(string) string { return "sqlite:" + filepath.Join(t.TempDir(), "idem.db") },
+		"postgres": func(pg string) string { return with(pg, "idem_schema=idem_verify_test") },
+		"redis":    func(rd string) string { return with(rd, "idem_prefix=idem-verify-test") },
+		"dynamodb": func(dy string) string {
+			return "dynamodb://local:secret@" + strings.TrimPrefix(dy, "http://") + "?region=us-east-1&table=idem_verify_test&create_table=true"
+		},
+		"memcached": func(mc string) string { return "memcached://" + mc + "?idem_prefix=idem-verify-test" },
 	}
-	if len(stores) < 4 {
-		t.Log("PostgreSQL and Redis are left out: set IDEM_TEST_DATABASE_URL and IDEM_TEST_REDIS_URL")
-	}
-	for name, dsn := range stores {
+	envs := map[string]string{"postgres": "IDEM_TEST_DATABASE_URL", "redis": "IDEM_TEST_REDIS_URL",
+		"dynamodb": "IDEM_TEST_DYNAMODB_URL", "memcached": "IDEM_TEST_MEMCACHED_ADDR"}
+	for name, makeDSN := range stores {
 		t.Run(name, func(t *testing.T) {
+			server := ""
+			if env := envs[name]; env != "" {
+				if server = os.Getenv(env); server == "" {
+					t.Skipf("set %s to check the proxy on %s", env, name)
+				}
+			}
+			dsn := makeDSN(server)
 			_, url, admin := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key", "--admin-listen", "127.0.0.1:0")
 			verifyOK(t, "--url", url+"/v1/charges", "--require-key", "--credential", "Bearer a", "--credential", "Bearer b")
 			resp, err := http.Get(admin + "/metrics")

@@ -5,6 +5,9 @@
 //	postgres://user@host:5432/db?…       PostgreSQL; ?idem_schema=NAME picks the schema (default idem)
 //	redis://host:6379/0                  Redis; ?idem_prefix=NAME picks the key prefix (default idem)
 //	redis+cluster://host:7000?addr=host:7001&…   Redis Cluster (go-redis cluster URL)
+//	dynamodb://?region=eu-west-1&table=idem_records          DynamoDB, with the AWS default credentials
+//	dynamodb://KEY:SECRET@127.0.0.1:8000?table=…&create_table=true  a DynamoDB-compatible server at that address
+//	memcached://host:11211[,host:11212]?idem_prefix=idem     Memcached (it may evict records: see memcachedstore)
 //	memory:                              in memory; forgotten on exit (tests and demos)
 //
 // PostgreSQL and Redis DSNs take their drivers' own options too.
@@ -16,10 +19,17 @@ import (
 	"net/url"
 	"strings"
 
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/config"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/bradfitz/gomemcache/memcache"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/dynamostore"
+	"github.com/idemhq/idem/store/memcachedstore"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/redisstore"
@@ -79,8 +89,12 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 		return openPostgres(ctx, dsn)
 	case "redis", "rediss", "redis+cluster", "rediss+cluster":
 		return openRedis(ctx, dsn, scheme)
+	case "dynamodb":
+		return openDynamo(ctx, dsn)
+	case "memcached":
+		return openMemcached(dsn)
 	}
-	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
+	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
 }
 
 // takeOption removes idem's own query option from a DSN, so the driver
@@ -161,4 +175,65 @@ func redact(dsn string) string {
 		return u.Redacted()
 	}
 	return dsn
+}
+
+func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("%w: store DSN: %v", idem.ErrInvalid, err)
+	}
+	q := u.Query()
+	var opts []func(*config.LoadOptions) error
+	if r := q.Get("region"); r != "" {
+		opts = append(opts, config.WithRegion(r))
+	}
+	if u.User != nil {
+		secret, _ := u.User.Password()
+		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")))
+	}
+	cfg, err := config.LoadDefaultConfig(ctx, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+	}
+	client := dynamodb.NewFromConfig(cfg, func(o *dynamodb.Options) {
+		if u.Host != "" {
+			scheme := "http"
+			if q.Get("tls") == "true" {
+				scheme = "https"
+			}
+			o.BaseEndpoint = aws.String(scheme + "://" + u.Host)
+		}
+	})
+	table := q.Get("table")
+	if table == "" {
+		table = dynamostore.DefaultTable
+	}
+	if q.Get("create_table") == "true" {
+		if err := dynamostore.CreateTable(ctx, client, table); err != nil {
+			return nil, err
+		}
+	}
+	s, err := dynamostore.New(dynamostore.Config{Client: client, Table: table})
+	if err != nil {
+		return nil, err
+	}
+	return &Opened{Store: s, Kind: "dynamodb", Close: func() error { return nil }}, nil
+}
+
+func openMemcached(dsn string) (*Opened, error) {
+	dsn, prefix, err := takeOption(dsn, "idem_prefix")
+	if err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(dsn)
+	if err != nil || u.Host == "" {
+		return nil, fmt.Errorf("%w: store %q: want memcached://host:port[,host:port]", idem.ErrInvalid, dsn)
+	}
+	client := memcache.New(strings.Split(u.Host, ",")...)
+	client.MaxIdleConns = 64
+	s, err := memcachedstore.New(memcachedstore.Config{Client: client, Prefix: prefix})
+	if err != nil {
+		return nil, err
+	}
+	return &Opened{Store: s, Kind: "memcached", Close: client.Close}, nil
 }

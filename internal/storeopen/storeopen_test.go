@@ -55,20 +55,42 @@ func roundTrip(t *testing.T, dsn string) {
 func TestOpen(t *testing.T) {
 	roundTrip(t, "memory:")
 	roundTrip(t, "sqlite:"+filepath.Join(t.TempDir(), "idem.db"))
-	pg, redisURL := os.Getenv("IDEM_TEST_DATABASE_URL"), os.Getenv("IDEM_TEST_REDIS_URL")
-	if pg == "" || redisURL == "" {
-		t.Skip("set IDEM_TEST_DATABASE_URL and IDEM_TEST_REDIS_URL to open PostgreSQL and Redis")
+}
+
+// TestOpenServers opens each networked store from a DSN, when its test
+// server is configured (CI configures all of them).
+func TestOpenServers(t *testing.T) {
+	with := func(q string) func(string) string {
+		return func(base string) string {
+			if strings.Contains(base, "?") {
+				return base + "&" + q
+			}
+			return base + "?" + q
+		}
 	}
-	sep := "?"
-	if strings.Contains(pg, "?") {
-		sep = "&"
+	for _, c := range []struct {
+		name, env string
+		dsn       func(string) string
+	}{
+		{"postgres", "IDEM_TEST_DATABASE_URL", with("idem_schema=idem_storeopen_test")},
+		{"redis", "IDEM_TEST_REDIS_URL", with("idem_prefix=idem-storeopen-test")},
+		{"dynamodb", "IDEM_TEST_DYNAMODB_URL", func(u string) string {
+			return "dynamodb://local:secret@" + strings.TrimPrefix(u, "http://") + "?region=us-east-1&table=idem_storeopen_test&create_table=true"
+		}},
+		{"memcached", "IDEM_TEST_MEMCACHED_ADDR", func(a string) string { return "memcached://" + a + "?idem_prefix=idem-storeopen-test" }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			base := os.Getenv(c.env)
+			if base == "" {
+				t.Skipf("set %s to open %s", c.env, c.name)
+			}
+			roundTrip(t, c.dsn(base))
+		})
 	}
-	roundTrip(t, pg+sep+"idem_schema=idem_storeopen_test")
-	roundTrip(t, redisURL+"?idem_prefix=idem-storeopen-test")
 }
 
 func TestOpenRefusesBadDSNs(t *testing.T) {
-	for _, dsn := range []string{"", "mysql://x", "sqlite:", "postgres://u:secret@127.0.0.1:1/x?sslmode=bogus", "redis://127.0.0.1:6379/notanumber"} {
+	for _, dsn := range []string{"", "mysql://x", "sqlite:", "postgres://u:secret@127.0.0.1:1/x?sslmode=bogus", "redis://127.0.0.1:6379/notanumber", "memcached://", "dynamodb://?table=x"} {
 		_, err := storeopen.Open(context.Background(), dsn)
 		if err == nil {
 			t.Errorf("Open(%q) succeeded", dsn)

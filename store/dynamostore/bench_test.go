@@ -1,0 +1,180 @@
+package dynamostore
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
+
+	"github.com/idemhq/idem"
+)
+
+// The benchmarks run one operation at a time through one client, so ns/op
+// is the latency a single caller sees, round trips included; each reports
+// its round trips (HTTP requests) per operation. The raw benchmarks do the
+// same work with bare requests on a bare table (a partition key and nothing
+// else: no index, no TTL), to show what the store adds.
+
+var benchResponse = &idem.Response{
+	Status: http.StatusCreated,
+	Header: http.Header{"Content-Type": {"application/json"}},
+	Body:   []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","amount":1000,"currency":"eur","status":"succeeded"}`),
+}
+
+type bench struct {
+	store   *Store
+	counter *counter
+}
+
+func newBench(b *testing.B) bench {
+	b.Helper()
+	s, c := countingStore(b, 0)
+	return bench{store: s, counter: c}
+}
+
+// loop runs op under b.Loop and reports round trips per op and ops/s.
+func (x bench) loop(b *testing.B, op func(i int)) {
+	start, ops := x.counter.n.Load(), 0
+	for b.Loop() {
+		op(ops)
+		ops++
+	}
+	b.ReportMetric(float64(x.counter.n.Load()-start)/float64(ops), "roundtrips/op")
+	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
+}
+
+func newToken(b *testing.B) string {
+	t, err := idem.NewToken()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return t
+}
+
+// BenchmarkAcquireComplete: Acquire of a fresh key, then Finish as
+// COMPLETED — what a request that runs costs.
+func BenchmarkAcquireComplete(b *testing.B) {
+	x := newBench(b)
+	f := fp("bench")
+	x.loop(b, func(i int) {
+		now, key, tok := time.Now(), "key-"+strconv.Itoa(i), newToken(b)
+		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
+			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
+		if err != nil || r.Token != tok {
+			b.Fatalf("Acquire = %+v, %v", r, err)
+		}
+		if err := x.store.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tok, Now: now,
+			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+// BenchmarkReplay: Acquire of a completed key — what a retry that replays
+// costs.
+func BenchmarkReplay(b *testing.B) {
+	x := newBench(b)
+	f, now := fp("bench"), time.Now()
+	if _, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tokA,
+		Now: now, LeaseExpires: now.Add(idem.DefaultLease)}); err != nil {
+		b.Fatal(err)
+	}
+	if err := x.store.Finish(ctx, idem.FinishParams{Scope: "s", Key: "key", Token: tokA, Now: now,
+		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+		b.Fatal(err)
+	}
+	x.loop(b, func(int) {
+		now := time.Now()
+		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tokB,
+			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
+		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
+			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
+		}
+	})
+}
+
+// newBareTable creates a table with a string partition key pk and nothing
+// else, deleted when the benchmark ends.
+func newBareTable(b *testing.B, client *dynamodb.Client) string {
+	b.Helper()
+	var r [8]byte
+	if _, err := rand.Read(r[:]); err != nil {
+		b.Fatal(err)
+	}
+	table := "idem_bare_" + hex.EncodeToString(r[:])
+	if _, err := client.CreateTable(ctx, &dynamodb.CreateTableInput{
+		TableName:            &table,
+		BillingMode:          types.BillingModePayPerRequest,
+		AttributeDefinitions: []types.AttributeDefinition{{AttributeName: aws.String("pk"), AttributeType: types.ScalarAttributeTypeS}},
+		KeySchema:            []types.KeySchemaElement{{AttributeName: aws.String("pk"), KeyType: types.KeyTypeHash}},
+	}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _, _ = client.DeleteTable(ctx, &dynamodb.DeleteTableInput{TableName: &table}) })
+	if err := waitActive(ctx, client, table); err != nil {
+		b.Fatal(err)
+	}
+	return table
+}
+
+// BenchmarkRawPutUpdate: the bare requests of a hand-made check on a bare
+// table: a PutItem on the condition that the key is new, then an UpdateItem
+// on the condition of the token, storing the outcome.
+func BenchmarkRawPutUpdate(b *testing.B) {
+	x := newBench(b)
+	client := x.store.client
+	table := newBareTable(b, client)
+	resp, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	x.loop(b, func(i int) {
+		now, tok := time.Now(), newToken(b)
+		pk := "1:s:key-" + strconv.Itoa(i)
+		if _, err := client.PutItem(ctx, &dynamodb.PutItemInput{
+			TableName: &table,
+			Item: map[string]types.AttributeValue{"pk": avS(pk), "state": avS("in_progress"), "token": avS(tok),
+				"lease": avN(now.Add(idem.DefaultLease).UnixMilli())},
+			ConditionExpression: aws.String("attribute_not_exists(pk)"),
+		}); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+			TableName:                 &table,
+			Key:                       keyOf(pk),
+			UpdateExpression:          aws.String("SET #s = :s, #r = :r"),
+			ConditionExpression:       aws.String("#t = :t"),
+			ExpressionAttributeNames:  map[string]string{"#s": "state", "#r": "resp", "#t": "token"},
+			ExpressionAttributeValues: map[string]types.AttributeValue{":s": avS("completed"), ":r": avB(resp), ":t": avS(tok)},
+		}); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+// BenchmarkRawGet: a bare consistent GetItem of a stored outcome.
+func BenchmarkRawGet(b *testing.B) {
+	x := newBench(b)
+	client := x.store.client
+	table := newBareTable(b, client)
+	resp, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := client.PutItem(ctx, &dynamodb.PutItemInput{TableName: &table,
+		Item: map[string]types.AttributeValue{"pk": avS("1:s:key"), "state": avS("completed"), "resp": avB(resp)}}); err != nil {
+		b.Fatal(err)
+	}
+	x.loop(b, func(int) {
+		out, err := client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &table, Key: keyOf("1:s:key"), ConsistentRead: aws.Bool(true)})
+		if err != nil || out.Item == nil {
+			b.Fatalf("GetItem = %v, %v", out, err)
+		}
+	})
+}

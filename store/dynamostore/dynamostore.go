@@ -1,0 +1,645 @@
+package dynamostore
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
+
+	"github.com/idemhq/idem"
+)
+
+var (
+	_ idem.Store       = (*Store)(nil)
+	_ idem.BodyLimiter = (*Store)(nil)
+)
+
+// Defaults for [Config].
+const (
+	// DefaultTable is the name of the table records are kept in.
+	DefaultTable = "idem_records"
+	// DefaultShards is the number of partitions of the stale-record index.
+	DefaultShards = 16
+	// MaxShards is the largest number of partitions of the stale-record index.
+	MaxShards = 1024
+)
+
+// maxAttempts bounds the read-decide-write rounds of one call that loses
+// races to concurrent writers of the same item; past it the call gives up
+// with [idem.ErrUnavailable].
+const maxAttempts = 16
+
+// Config configures a [Store]. The zero value of every field but Client is a
+// sensible default.
+type Config struct {
+	// Client talks to DynamoDB. Required: the caller builds it (region,
+	// credentials, retries, endpoint) and owns it.
+	Client *dynamodb.Client
+	// Table is the table records are kept in, made by [CreateTable] or with
+	// the schema of the package documentation. Defaults to [DefaultTable].
+	Table string
+	// Shards is the number of partitions of the index that lists unsettled
+	// records for [Store.Scan], 1 to [MaxShards]. On DynamoDB one partition
+	// key value takes at most 1,000 writes a second, and every acquire, renew
+	// and finish writes the index, so Shards bounds that rate (16 shards:
+	// about 16,000 a second); but a scan runs at least one Query per shard.
+	// A record's shard is stored in its item, so Shards may grow for a
+	// deployment, but must never shrink: a store with fewer shards does not
+	// scan the others. Defaults to [DefaultShards].
+	Shards int
+}
+
+// Store is an [idem.Store] on DynamoDB. It is safe for concurrent use, and
+// any number of processes may share one table through stores with the same
+// Shards. Make one with [New].
+type Store struct {
+	client *dynamodb.Client
+	table  string
+	shards uint32
+}
+
+var tableName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{3,255}$`)
+
+// New returns a store for cfg. The error wraps [idem.ErrInvalid] when cfg is
+// not valid. New does not contact DynamoDB.
+func New(cfg Config) (*Store, error) {
+	if cfg.Client == nil {
+		return nil, fmt.Errorf("dynamostore: %w: config has no client", idem.ErrInvalid)
+	}
+	table := cfg.Table
+	if table == "" {
+		table = DefaultTable
+	}
+	if !tableName.MatchString(table) {
+		return nil, fmt.Errorf("dynamostore: %w: table name %q is not 3 to 255 of a-z, A-Z, 0-9, '_', '-' and '.'", idem.ErrInvalid, table)
+	}
+	shards := cfg.Shards
+	if shards == 0 {
+		shards = DefaultShards
+	}
+	if shards < 1 || shards > MaxShards {
+		return nil, fmt.Errorf("dynamostore: %w: shards must be 1 to %d, not %d", idem.ErrInvalid, MaxShards, shards)
+	}
+	return &Store{client: cfg.Client, table: table, shards: uint32(shards)}, nil
+}
+
+// MaxBody implements [idem.BodyLimiter]: [MaxBodyBytes]. A Finish with a
+// larger body stores the response with the body omitted.
+func (s *Store) MaxBody() int { return MaxBodyBytes }
+
+// shardOf is the index partition of the item with partition key pk.
+func (s *Store) shardOf(pk string) string {
+	return strconv.FormatUint(uint64(crc32.ChecksumIEEE([]byte(pk))%s.shards), 10)
+}
+
+func keyOf(pk string) map[string]types.AttributeValue {
+	return map[string]types.AttributeValue{attrPK: avS(pk)}
+}
+
+// expr collects the names and values of a request's expressions: DynamoDB
+// rejects placeholders that no expression uses, so each request has its own.
+type expr struct {
+	names  map[string]string
+	values map[string]types.AttributeValue
+}
+
+func newExpr() *expr {
+	return &expr{names: map[string]string{}, values: map[string]types.AttributeValue{}}
+}
+
+// n returns the placeholder of an attribute name. Every name goes through a
+// placeholder, so none can collide with DynamoDB's reserved words.
+func (e *expr) n(attr string) string {
+	p := "#" + strings.ReplaceAll(attr, "_", "")
+	e.names[p] = attr
+	return p
+}
+
+// v binds a value to the placeholder p and returns p.
+func (e *expr) v(p string, v types.AttributeValue) string {
+	e.values[p] = v
+	return p
+}
+
+func (e *expr) valueMap() map[string]types.AttributeValue {
+	if len(e.values) == 0 {
+		return nil
+	}
+	return e.values
+}
+
+// isConditionFailed returns the exception when err is a failed condition.
+func isConditionFailed(err error) (*types.ConditionalCheckFailedException, bool) {
+	var ccf *types.ConditionalCheckFailedException
+	ok := errors.As(err, &ccf)
+	return ccf, ok
+}
+
+// current returns the item whose condition failed: the one DynamoDB sent
+// back with the exception (ReturnValuesOnConditionCheckFailure), or, from a
+// server that does not send it, the one a consistent read finds (one more
+// round trip). It is nil when there is no item.
+func (s *Store) current(ctx context.Context, op, pk string, ccf *types.ConditionalCheckFailedException) (*stored, error) {
+	item := ccf.Item
+	if item == nil {
+		out, err := s.client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &s.table, Key: keyOf(pk), ConsistentRead: aws.Bool(true)})
+		if err != nil {
+			return nil, s.translate(op, err)
+		}
+		item = out.Item
+	}
+	if item == nil {
+		return nil, nil
+	}
+	st, err := decode(item)
+	if err != nil {
+		return nil, fmt.Errorf("dynamostore: %s: item %q: %w", op, pk, err)
+	}
+	return st, nil
+}
+
+// Acquire implements [idem.Store]. It puts a new item on the condition that
+// none exists: one round trip. When one exists, DynamoDB sends it back with
+// the failed condition and [idem.AcquireParams.Apply] decides in Go; a
+// replay, a mismatch or an in-flight answer costs nothing more. A transition
+// (re-creation over an expired or FAILED record, a takeover, the UNKNOWN
+// mark) is one more PutItem on the condition that the item is still the
+// version that was read (same token and version), repeated on a lost race.
+// A server that does not send the item back with a failed condition costs
+// one consistent GetItem more.
+func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	if err := p.Validate(); err != nil {
+		return idem.Record{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
+	}
+	p.Now, p.LeaseExpires = trunc(p.Now), trunc(p.LeaseExpires)
+	pk := pkOf(p.Scope, p.Key)
+	var cur *stored
+	for range maxAttempts {
+		var existing *idem.Record
+		if cur != nil {
+			existing = &cur.Record
+		}
+		next, write := p.Apply(existing)
+		if !write {
+			return next, nil
+		}
+		e := newExpr()
+		var cond string
+		ver := int64(1)
+		if cur == nil {
+			cond = "attribute_not_exists(" + e.n(attrPK) + ")"
+		} else {
+			ver = cur.ver + 1
+			cond = e.n(attrToken) + " = " + e.v(":tok", avS(cur.Token)) + " AND " +
+				e.n(attrVersion) + " = " + e.v(":ver", avN(cur.ver))
+		}
+		item, err := s.encode(&next, ver)
+		if err != nil {
+			return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
+		}
+		_, err = s.client.PutItem(ctx, &dynamodb.PutItemInput{
+			TableName:                           &s.table,
+			Item:                                item,
+			ConditionExpression:                 &cond,
+			ExpressionAttributeNames:            e.names,
+			ExpressionAttributeValues:           e.valueMap(),
+			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+		})
+		if err == nil {
+			return next, nil
+		}
+		ccf, ok := isConditionFailed(err)
+		if !ok {
+			return idem.Record{}, s.translate("acquire", err)
+		}
+		if cur, err = s.current(ctx, "acquire", pk, ccf); err != nil {
+			return idem.Record{}, err
+		}
+	}
+	return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+}
+
+// Renew implements [idem.Store]: one conditional UpdateItem.
+func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("dynamostore: renew: %w", err)
+	}
+	e := newExpr()
+	now, lease := e.v(":now", avN(ms(p.Now))), e.v(":lease", avN(ms(p.LeaseExpires)))
+	update := "SET " + e.n(attrLease) + " = " + lease + ", " + e.n(attrStaleAt) + " = " + lease + ", " +
+		e.n(attrUpdated) + " = " + now + " ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
+	cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
+		e.n(attrState) + " = " + e.v(":ip", avS(string(idem.StateInProgress))) + " AND " +
+		e.n(attrLease) + " > " + now
+	_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+		TableName:                 &s.table,
+		Key:                       keyOf(pkOf(p.Scope, p.Key)),
+		UpdateExpression:          &update,
+		ConditionExpression:       &cond,
+		ExpressionAttributeNames:  e.names,
+		ExpressionAttributeValues: e.valueMap(),
+	})
+	if _, ok := isConditionFailed(err); ok {
+		return idem.ErrLeaseLost
+	}
+	if err != nil {
+		return s.translate("renew", err)
+	}
+	return nil
+}
+
+// Checkpoint implements [idem.Store]: one conditional UpdateItem that
+// appends the checkpoint to the item's list (list_append). The same
+// checkpoint (name, data and time) is not appended twice, so a request the
+// SDK retried after it had landed changes nothing. A checkpoint that would
+// take the record's checkpoints past [MaxCheckpointBytes] fails with an
+// error wrapping [idem.ErrInvalid].
+func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("dynamostore: checkpoint: %w", err)
+	}
+	pk := pkOf(p.Scope, p.Key)
+	line := idem.AppendCheckpoint(nil, p.Checkpoint())
+	room := int64(MaxCheckpointBytes - len(line) - 1)
+	for range maxAttempts {
+		e := newExpr()
+		cps, cpsBytes, now := e.n(attrCps), e.n(attrCpsBytes), e.v(":now", avN(ms(p.Now)))
+		newLine := e.v(":line", avB(line))
+		update := "SET " + cps + " = list_append(if_not_exists(" + cps + ", " + e.v(":empty", &types.AttributeValueMemberL{Value: []types.AttributeValue{}}) + "), " +
+			e.v(":cp", &types.AttributeValueMemberL{Value: []types.AttributeValue{avB(line)}}) + "), " +
+			e.n(attrTakeover) + " = " + e.v(":false", avBool(false)) + ", " + e.n(attrUpdated) + " = " + now +
+			" ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1)) + ", " + cpsBytes + " " + e.v(":size", avN(int64(len(line)+1)))
+		cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
+			e.n(attrState) + " = " + e.v(":ip", avS(string(idem.StateInProgress))) + " AND " +
+			e.n(attrLease) + " > " + now + " AND " +
+			"(attribute_not_exists(" + cpsBytes + ") OR " + cpsBytes + " <= " + e.v(":room", avN(room)) + ") AND " +
+			"(attribute_not_exists(" + cps + ") OR NOT contains(" + cps + ", " + newLine + "))"
+		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+			TableName:                           &s.table,
+			Key:                                 keyOf(pk),
+			UpdateExpression:                    &update,
+			ConditionExpression:                 &cond,
+			ExpressionAttributeNames:            e.names,
+			ExpressionAttributeValues:           e.valueMap(),
+			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+		})
+		if err == nil {
+			return nil
+		}
+		ccf, ok := isConditionFailed(err)
+		if !ok {
+			return s.translate("checkpoint", err)
+		}
+		cur, err := s.current(ctx, "checkpoint", pk, ccf)
+		if err != nil {
+			return err
+		}
+		switch {
+		case cur == nil || cur.Token != p.Token || cur.State != idem.StateInProgress || !p.Now.Before(cur.LeaseExpires):
+			return idem.ErrLeaseLost
+		case cur.hasLine(line):
+			return nil // already recorded, by an earlier attempt of this request
+		case cur.cpsSize > room:
+			return fmt.Errorf("dynamostore: checkpoint: %w: the record's checkpoints would take %d bytes, over the %d an item keeps",
+				idem.ErrInvalid, cur.cpsSize+int64(len(line)+1), MaxCheckpointBytes)
+		}
+		// The item changed between the write and the read; try again.
+	}
+	return fmt.Errorf("dynamostore: checkpoint: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+}
+
+// Finish implements [idem.Store]: one conditional UpdateItem. A COMPLETED
+// or FAILED record gets its expiry and the ttl attribute, and leaves the
+// stale-record index (its index attributes are removed). A response body
+// over [MaxBodyBytes] is not stored: the response is stored with
+// BodyOmitted. A response whose status and headers take more than
+// [MaxHeaderBytes] encoded fails with an error wrapping [idem.ErrInvalid]
+// before anything is written.
+//
+// A record marked UNKNOWN stays in the index, scored at the earlier of its
+// score and p.Now, so that a scan finds it at once: one round trip when
+// its score is later than p.Now (the owner marks it while its lease runs,
+// the usual case), two when not (DynamoDB cannot take a minimum in an
+// update, so the first attempt's condition picks the case and a failed one
+// is followed by the other).
+func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	var meta, body []byte
+	if p.Response != nil {
+		resp := *p.Response
+		if len(resp.Body) > MaxBodyBytes {
+			resp.Body, resp.BodyOmitted = nil, true
+		}
+		var err error
+		if meta, body, err = encodeResponse(&resp); err != nil {
+			return fmt.Errorf("dynamostore: finish: %w", err)
+		}
+		if len(meta) > MaxHeaderBytes {
+			return fmt.Errorf("dynamostore: finish: %w: the response's status and headers take %d bytes encoded, over the %d an item keeps",
+				idem.ErrInvalid, len(meta), MaxHeaderBytes)
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("dynamostore: finish: %w", err)
+	}
+	pk := pkOf(p.Scope, p.Key)
+	if p.State == idem.StateUnknown {
+		return s.markUnknown(ctx, pk, p)
+	}
+	e := newExpr()
+	set := []string{
+		e.n(attrState) + " = " + e.v(":st", avS(string(p.State))),
+		e.n(attrUpdated) + " = " + e.v(":now", avN(ms(p.Now))),
+		e.n(attrExpires) + " = " + e.v(":exp", avN(ms(p.Expires))),
+		e.n(attrTTL) + " = " + e.v(":ttl", avN(ttlSeconds(p.Expires))),
+	}
+	if meta != nil {
+		set = append(set, e.n(attrResp)+" = "+e.v(":resp", avB(meta)))
+		if len(body) > 0 {
+			set = append(set, e.n(attrBody)+" = "+e.v(":body", avB(body)))
+		}
+	}
+	update := "SET " + strings.Join(set, ", ") +
+		" REMOVE " + e.n(attrShard) + ", " + e.n(attrStaleAt) +
+		" ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
+	cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
+		e.n(attrState) + " IN (" + e.v(":ip", avS(string(idem.StateInProgress))) + ", " + e.v(":unk", avS(string(idem.StateUnknown))) + ")"
+	_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+		TableName:                           &s.table,
+		Key:                                 keyOf(pk),
+		UpdateExpression:                    &update,
+		ConditionExpression:                 &cond,
+		ExpressionAttributeNames:            e.names,
+		ExpressionAttributeValues:           e.valueMap(),
+		ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+	})
+	if err == nil {
+		return nil
+	}
+	ccf, ok := isConditionFailed(err)
+	if !ok {
+		return s.translate("finish", err)
+	}
+	cur, err := s.current(ctx, "finish", pk, ccf)
+	if err != nil {
+		return err
+	}
+	if cur != nil && cur.landed(p, meta, body) {
+		return nil // settled by an earlier attempt of this request, which the SDK retried
+	}
+	return idem.ErrLeaseLost
+}
+
+// landed reports whether the record holds exactly what Finish(p) writes, with
+// response meta and body: the write has already been made, by an earlier
+// attempt of the same request (the SDK retries a request whose answer was
+// lost), so the lease was not lost to anyone else.
+func (st *stored) landed(p idem.FinishParams, meta, body []byte) bool {
+	if st.Token != p.Token || st.State != p.State || !st.Updated.Equal(trunc(p.Now)) || !st.Expires.Equal(trunc(p.Expires)) {
+		return false
+	}
+	if st.Response == nil || meta == nil {
+		return st.Response == nil && meta == nil
+	}
+	stMeta, stBody, err := encodeResponse(st.Response)
+	return err == nil && bytes.Equal(stMeta, meta) && bytes.Equal(stBody, body)
+}
+
+// markUnknown is Finish to UNKNOWN; see [Store.Finish].
+func (s *Store) markUnknown(ctx context.Context, pk string, p idem.FinishParams) error {
+	lower := true // the first guess: the score is later than now
+	for range maxAttempts {
+		e := newExpr()
+		now := e.v(":now", avN(ms(p.Now)))
+		set := e.n(attrState) + " = " + e.v(":unk", avS(string(idem.StateUnknown))) + ", " + e.n(attrUpdated) + " = " + now
+		cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
+			e.n(attrState) + " IN (" + e.v(":ip", avS(string(idem.StateInProgress))) + ", :unk) AND " + e.n(attrStaleAt)
+		if lower {
+			set += ", " + e.n(attrStaleAt) + " = " + now
+			cond += " > " + now
+		} else {
+			cond += " <= " + now
+		}
+		update := "SET " + set + " ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
+		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+			TableName:                           &s.table,
+			Key:                                 keyOf(pk),
+			UpdateExpression:                    &update,
+			ConditionExpression:                 &cond,
+			ExpressionAttributeNames:            e.names,
+			ExpressionAttributeValues:           e.valueMap(),
+			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+		})
+		if err == nil {
+			return nil
+		}
+		ccf, ok := isConditionFailed(err)
+		if !ok {
+			return s.translate("finish", err)
+		}
+		cur, err := s.current(ctx, "finish", pk, ccf)
+		if err != nil {
+			return err
+		}
+		if cur == nil || cur.Token != p.Token || (cur.State != idem.StateInProgress && cur.State != idem.StateUnknown) {
+			return idem.ErrLeaseLost
+		}
+		if cur.staleAt < 0 {
+			return fmt.Errorf("dynamostore: finish: item %q is unsettled but has no %s attribute", pk, attrStaleAt)
+		}
+		lower = cur.staleAt > ms(p.Now)
+	}
+	return fmt.Errorf("dynamostore: finish: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+}
+
+// Get implements [idem.Store]: one consistent GetItem. A record past its
+// expiry is not found, even while DynamoDB has not yet deleted it.
+func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+	if err := p.Validate(); err != nil {
+		return idem.Record{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return idem.Record{}, fmt.Errorf("dynamostore: get: %w", err)
+	}
+	pk := pkOf(p.Scope, p.Key)
+	out, err := s.client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &s.table, Key: keyOf(pk), ConsistentRead: aws.Bool(true)})
+	if err != nil {
+		return idem.Record{}, s.translate("get", err)
+	}
+	if out.Item == nil {
+		return idem.Record{}, idem.ErrNotFound
+	}
+	st, err := decode(out.Item)
+	if err != nil {
+		return idem.Record{}, fmt.Errorf("dynamostore: get: item %q: %w", pk, err)
+	}
+	if !st.Live(p.Now) {
+		return idem.Record{}, idem.ErrNotFound
+	}
+	return st.Record, nil
+}
+
+// position is where a scan stands: in a shard, after the index entry last
+// (nil at the shard's start).
+type position struct {
+	shard uint32
+	last  map[string]types.AttributeValue
+}
+
+// Scan implements [idem.Store]. It queries the stale-record index one shard
+// after the other, each for the entries scored at or before p.Now, in score
+// order; the cursor is the shard and the last entry examined
+// (LastEvaluatedKey), so every stale record that does not change during a
+// scan is returned exactly once. A page costs one Query per shard it
+// touches: at least one, at most Shards when stale records are few. The
+// index is eventually consistent: a record written a moment ago may be
+// missing, or seen as it was; the reconciler settles records with
+// conditional writes, so a stale view costs it nothing but a retry.
+func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+	if err := p.Validate(); err != nil {
+		return idem.ScanResult{}, err
+	}
+	pos, err := s.decodeCursor(p.Cursor)
+	if err != nil {
+		return idem.ScanResult{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return idem.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
+	}
+	size := p.PageSize()
+	var res idem.ScanResult
+	for pos.shard < s.shards && len(res.Records) < size {
+		e := newExpr()
+		cond := e.n(attrShard) + " = " + e.v(":shard", avS(strconv.FormatUint(uint64(pos.shard), 10))) + " AND " +
+			e.n(attrStaleAt) + " <= " + e.v(":now", avN(ms(p.Now)))
+		out, err := s.client.Query(ctx, &dynamodb.QueryInput{
+			TableName:                 &s.table,
+			IndexName:                 aws.String(staleIndex),
+			KeyConditionExpression:    &cond,
+			ExpressionAttributeNames:  e.names,
+			ExpressionAttributeValues: e.valueMap(),
+			ExclusiveStartKey:         pos.last,
+			Limit:                     aws.Int32(int32(min(size-len(res.Records), 1000))),
+		})
+		if err != nil {
+			return idem.ScanResult{}, s.translate("scan", err)
+		}
+		for _, item := range out.Items {
+			st, err := decode(item)
+			if err != nil {
+				return idem.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
+			}
+			if st.Live(p.Now) && st.Stale(p.Now) {
+				res.Records = append(res.Records, st.Record)
+			}
+		}
+		if len(out.LastEvaluatedKey) > 0 {
+			pos.last = out.LastEvaluatedKey
+		} else {
+			pos = position{shard: pos.shard + 1}
+		}
+	}
+	if pos.shard < s.shards {
+		if res.Cursor, err = s.encodeCursor(pos); err != nil {
+			return idem.ScanResult{}, err
+		}
+	}
+	return res, nil
+}
+
+// cursorVersion begins every cursor, so the encoding can change.
+const cursorVersion = "1"
+
+// encodeCursor encodes a position as "1:<shard>:<score>:<pk>", in base64.
+func (s *Store) encodeCursor(pos position) (string, error) {
+	raw := cursorVersion + ":" + strconv.FormatUint(uint64(pos.shard), 10)
+	if pos.last != nil {
+		score, ok1 := pos.last[attrStaleAt].(*types.AttributeValueMemberN)
+		pk, ok2 := pos.last[attrPK].(*types.AttributeValueMemberS)
+		if !ok1 || !ok2 {
+			return "", fmt.Errorf("dynamostore: scan: the index's LastEvaluatedKey has no %s and %s", attrStaleAt, attrPK)
+		}
+		raw += ":" + score.Value + ":" + pk.Value
+	}
+	return base64.RawURLEncoding.EncodeToString([]byte(raw)), nil
+}
+
+func (s *Store) decodeCursor(c string) (position, error) {
+	if c == "" {
+		return position{}, nil
+	}
+	bad := func(why string) (position, error) {
+		return position{}, fmt.Errorf("dynamostore: scan: %w: cursor %q %s", idem.ErrInvalid, c, why)
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(c)
+	if err != nil {
+		return bad("is not a cursor of this store")
+	}
+	parts := strings.SplitN(string(raw), ":", 4)
+	if (len(parts) != 2 && len(parts) != 4) || parts[0] != cursorVersion {
+		return bad("is not a cursor of this store")
+	}
+	shard, err := strconv.ParseUint(parts[1], 10, 32)
+	if err != nil || shard >= uint64(s.shards) {
+		return bad("names a shard this store does not have")
+	}
+	pos := position{shard: uint32(shard)}
+	if len(parts) == 4 {
+		if _, err := strconv.ParseInt(parts[2], 10, 64); err != nil {
+			return bad("is not a cursor of this store")
+		}
+		if _, _, err := parsePK(parts[3]); err != nil {
+			return bad("is not a cursor of this store")
+		}
+		pos.last = map[string]types.AttributeValue{
+			attrShard:   avS(parts[1]),
+			attrStaleAt: &types.AttributeValueMemberN{Value: parts[2]},
+			attrPK:      avS(parts[3]),
+		}
+	}
+	return pos, nil
+}
+
+// Prune implements [idem.Store]. DynamoDB deletes settled records itself
+// through the table's TTL (the ttl attribute), so Prune only validates p and
+// reports 0. DynamoDB deletes expired items late (typically within a few
+// days); until then every read treats them as absent.
+func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+	if err := p.Validate(); err != nil {
+		return 0, err
+	}
+	return 0, nil
+}
+
+// sleep waits d or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

@@ -1,0 +1,153 @@
+package memcachedstore
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/bradfitz/gomemcache/memcache"
+	"github.com/idemhq/idem"
+)
+
+// The benchmarks run one operation at a time on one connection, so ns/op is
+// the latency of an operation, round trips included. Each reports its round
+// trips per operation as its connections counted them.
+
+var benchResponse = &idem.Response{
+	Status: http.StatusCreated,
+	Header: http.Header{"Content-Type": {"application/json"}},
+	Body:   []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","amount":1000,"currency":"eur","status":"succeeded"}`),
+}
+
+func reportRoundTrips(b *testing.B, cnt *counter, before int64) {
+	b.ReportMetric(float64(cnt.n.Load()-before)/float64(b.N), "roundtrips/op")
+}
+
+// warmUp creates the index of every shard, so that the first acquire of a
+// shard does not pay for creating it, and opens the client's connection.
+func warmUp(b *testing.B, s *Store) {
+	b.Helper()
+	for _, key := range s.indexKeys {
+		if err := s.client.Add(&memcache.Item{Key: key, Value: nil}); err != nil && err != memcache.ErrNotStored {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkAcquireComplete: Acquire of a fresh key, then Finish as
+// COMPLETED — what a request that runs costs.
+func BenchmarkAcquireComplete(b *testing.B) {
+	client, cnt := countingClient(b)
+	s := newTestStore(b, client, Config{})
+	warmUp(b, s)
+	ctx := context.Background()
+	f := fp("bench")
+	tok, err := idem.NewToken()
+	if err != nil {
+		b.Fatal(err)
+	}
+	before := cnt.n.Load()
+	i := 0
+	for b.Loop() {
+		now := time.Now()
+		key := "key-" + strconv.Itoa(i)
+		i++
+		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
+			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
+		if err != nil || r.Token != tok {
+			b.Fatalf("Acquire = %+v, %v", r, err)
+		}
+		if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tok, Now: now,
+			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	reportRoundTrips(b, cnt, before)
+}
+
+// BenchmarkReplay: Acquire of a completed key — what a retry that replays
+// costs.
+func BenchmarkReplay(b *testing.B) {
+	client, cnt := countingClient(b)
+	s := newTestStore(b, client, Config{})
+	warmUp(b, s)
+	ctx := context.Background()
+	f := fp("bench")
+	now := time.Now()
+	tok := "0123456789abcdef0123456789abcdef"
+	if _, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tok,
+		Now: now, LeaseExpires: now.Add(idem.DefaultLease)}); err != nil {
+		b.Fatal(err)
+	}
+	if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "key", Token: tok, Now: now,
+		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+		b.Fatal(err)
+	}
+	other := "fedcba9876543210fedcba9876543210"
+	before := cnt.n.Load()
+	for b.Loop() {
+		now := time.Now()
+		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: other,
+			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
+		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
+			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
+		}
+	}
+	reportRoundTrips(b, cnt, before)
+}
+
+// BenchmarkRawAddSet: the bare client calls of a hand-made check, add to
+// claim a key and set to store the outcome.
+func BenchmarkRawAddSet(b *testing.B) {
+	client, cnt := countingClient(b)
+	s := newTestStore(b, client, Config{})
+	value, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	base := s.prefix + ":raw:"
+	i := 0
+	b.Cleanup(func() {
+		for j := range i {
+			_ = client.Delete(base + strconv.Itoa(j))
+		}
+	})
+	exp := int32(idem.DefaultRetention / time.Second)
+	before := cnt.n.Load()
+	for b.Loop() {
+		key := base + strconv.Itoa(i)
+		i++
+		if err := client.Add(&memcache.Item{Key: key, Value: []byte("in_progress")}); err != nil {
+			b.Fatalf("add: %v", err)
+		}
+		if err := client.Set(&memcache.Item{Key: key, Value: value, Expiration: exp}); err != nil {
+			b.Fatalf("set: %v", err)
+		}
+	}
+	reportRoundTrips(b, cnt, before)
+}
+
+// BenchmarkRawGet: a bare get of a stored outcome.
+func BenchmarkRawGet(b *testing.B) {
+	client, cnt := countingClient(b)
+	s := newTestStore(b, client, Config{})
+	value, err := benchResponse.MarshalBinary()
+	if err != nil {
+		b.Fatal(err)
+	}
+	key := s.prefix + ":raw"
+	if err := client.Set(&memcache.Item{Key: key, Value: value, Expiration: 3600}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = client.Delete(key) })
+	before := cnt.n.Load()
+	for b.Loop() {
+		it, err := client.Get(key)
+		if err != nil || len(it.Value) != len(value) {
+			b.Fatalf("get: %v", err)
+		}
+	}
+	reportRoundTrips(b, cnt, before)
+}
