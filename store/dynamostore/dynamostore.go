@@ -168,6 +168,30 @@ func (s *Store) current(ctx context.Context, op, pk string, ccf *types.Condition
 	return st, nil
 }
 
+// update runs a conditional UpdateItem. It reports done when the update was
+// made; when the condition failed it returns the item as it now stands (nil
+// when there is none), sent back with the failure or read again.
+func (s *Store) update(ctx context.Context, op, pk string, e *expr, update, cond string) (cur *stored, done bool, err error) {
+	_, err = s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
+		TableName:                           &s.table,
+		Key:                                 keyOf(pk),
+		UpdateExpression:                    &update,
+		ConditionExpression:                 &cond,
+		ExpressionAttributeNames:            e.names,
+		ExpressionAttributeValues:           e.valueMap(),
+		ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
+	})
+	if err == nil {
+		return nil, true, nil
+	}
+	ccf, ok := isConditionFailed(err)
+	if !ok {
+		return nil, false, s.translate(op, err)
+	}
+	cur, err = s.current(ctx, op, pk, ccf)
+	return cur, false, err
+}
+
 // Acquire implements [idem.Store]. It puts a new item on the condition that
 // none exists: one round trip. When one exists, DynamoDB sends it back with
 // the failed condition and [idem.AcquireParams.Apply] decides in Go; a
@@ -293,24 +317,8 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 			e.n(attrLease) + " > " + now + " AND " +
 			"(attribute_not_exists(" + cpsBytes + ") OR " + cpsBytes + " <= " + e.v(":room", avN(room)) + ") AND " +
 			"(attribute_not_exists(" + cps + ") OR NOT contains(" + cps + ", " + newLine + "))"
-		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
-			TableName:                           &s.table,
-			Key:                                 keyOf(pk),
-			UpdateExpression:                    &update,
-			ConditionExpression:                 &cond,
-			ExpressionAttributeNames:            e.names,
-			ExpressionAttributeValues:           e.valueMap(),
-			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
-		})
-		if err == nil {
-			return nil
-		}
-		ccf, ok := isConditionFailed(err)
-		if !ok {
-			return s.translate("checkpoint", err)
-		}
-		cur, err := s.current(ctx, "checkpoint", pk, ccf)
-		if err != nil {
+		cur, done, err := s.update(ctx, "checkpoint", pk, e, update, cond)
+		if err != nil || done {
 			return err
 		}
 		switch {
@@ -385,24 +393,8 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		" ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
 	cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
 		e.n(attrState) + " IN (" + e.v(":ip", avS(string(idem.StateInProgress))) + ", " + e.v(":unk", avS(string(idem.StateUnknown))) + ")"
-	_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
-		TableName:                           &s.table,
-		Key:                                 keyOf(pk),
-		UpdateExpression:                    &update,
-		ConditionExpression:                 &cond,
-		ExpressionAttributeNames:            e.names,
-		ExpressionAttributeValues:           e.valueMap(),
-		ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
-	})
-	if err == nil {
-		return nil
-	}
-	ccf, ok := isConditionFailed(err)
-	if !ok {
-		return s.translate("finish", err)
-	}
-	cur, err := s.current(ctx, "finish", pk, ccf)
-	if err != nil {
+	cur, done, err := s.update(ctx, "finish", pk, e, update, cond)
+	if err != nil || done {
 		return err
 	}
 	if cur != nil && cur.landed(p, meta, body) {
@@ -442,24 +434,8 @@ func (s *Store) markUnknown(ctx context.Context, pk string, p idem.FinishParams)
 			cond += " <= " + now
 		}
 		update := "SET " + set + " ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
-		_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
-			TableName:                           &s.table,
-			Key:                                 keyOf(pk),
-			UpdateExpression:                    &update,
-			ConditionExpression:                 &cond,
-			ExpressionAttributeNames:            e.names,
-			ExpressionAttributeValues:           e.valueMap(),
-			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
-		})
-		if err == nil {
-			return nil
-		}
-		ccf, ok := isConditionFailed(err)
-		if !ok {
-			return s.translate("finish", err)
-		}
-		cur, err := s.current(ctx, "finish", pk, ccf)
-		if err != nil {
+		cur, done, err := s.update(ctx, "finish", pk, e, update, cond)
+		if err != nil || done {
 			return err
 		}
 		if cur == nil || cur.Token != p.Token || (cur.State != idem.StateInProgress && cur.State != idem.StateUnknown) {
