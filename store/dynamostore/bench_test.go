@@ -3,7 +3,6 @@ package dynamostore
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"net/http"
 	"strconv"
 	"testing"
 	"time"
@@ -13,6 +12,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // The benchmarks run one operation at a time through one client, so ns/op
@@ -20,12 +20,6 @@ import (
 // its round trips (HTTP requests) per operation. The raw benchmarks do the
 // same work with bare requests on a bare table (a partition key and nothing
 // else: no index, no TTL), to show what the store adds.
-
-var benchResponse = &idem.Response{
-	Status: http.StatusCreated,
-	Header: http.Header{"Content-Type": {"application/json"}},
-	Body:   []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","amount":1000,"currency":"eur","status":"succeeded"}`),
-}
 
 type bench struct {
 	store   *Store
@@ -61,42 +55,14 @@ func newToken(b *testing.B) string {
 // COMPLETED — what a request that runs costs.
 func BenchmarkAcquireComplete(b *testing.B) {
 	x := newBench(b)
-	f := fp("bench")
-	x.loop(b, func(i int) {
-		now, key, tok := time.Now(), "key-"+strconv.Itoa(i), newToken(b)
-		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
-			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
-		if err != nil || r.Token != tok {
-			b.Fatalf("Acquire = %+v, %v", r, err)
-		}
-		if err := x.store.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tok, Now: now,
-			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
-			b.Fatal(err)
-		}
-	})
+	storetest.BenchAcquireComplete(b, x.store, x.counter.n.Load)
 }
 
 // BenchmarkReplay: Acquire of a completed key — what a retry that replays
 // costs.
 func BenchmarkReplay(b *testing.B) {
 	x := newBench(b)
-	f, now := fp("bench"), time.Now()
-	if _, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tokA,
-		Now: now, LeaseExpires: now.Add(idem.DefaultLease)}); err != nil {
-		b.Fatal(err)
-	}
-	if err := x.store.Finish(ctx, idem.FinishParams{Scope: "s", Key: "key", Token: tokA, Now: now,
-		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
-		b.Fatal(err)
-	}
-	x.loop(b, func(int) {
-		now := time.Now()
-		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tokB,
-			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
-		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
-			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
-		}
-	})
+	storetest.BenchReplay(b, x.store, x.counter.n.Load)
 }
 
 // newBareTable creates a table with a string partition key pk and nothing
@@ -130,7 +96,7 @@ func BenchmarkRawPutUpdate(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := benchResponse.MarshalBinary()
+	resp, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -163,7 +129,7 @@ func BenchmarkRawGet(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := benchResponse.MarshalBinary()
+	resp, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,25 +1,18 @@
 package memcachedstore
 
 import (
-	"context"
-	"net/http"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/bradfitz/gomemcache/memcache"
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // The benchmarks run one operation at a time on one connection, so ns/op is
 // the latency of an operation, round trips included. Each reports its round
 // trips per operation as its connections counted them.
-
-var benchResponse = &idem.Response{
-	Status: http.StatusCreated,
-	Header: http.Header{"Content-Type": {"application/json"}},
-	Body:   []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","amount":1000,"currency":"eur","status":"succeeded"}`),
-}
 
 func reportRoundTrips(b *testing.B, cnt *counter, before int64) {
 	b.ReportMetric(float64(cnt.n.Load()-before)/float64(b.N), "roundtrips/op")
@@ -42,29 +35,7 @@ func BenchmarkAcquireComplete(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
 	warmUp(b, s)
-	ctx := context.Background()
-	f := fp("bench")
-	tok, err := idem.NewToken()
-	if err != nil {
-		b.Fatal(err)
-	}
-	before := cnt.n.Load()
-	i := 0
-	for b.Loop() {
-		now := time.Now()
-		key := "key-" + strconv.Itoa(i)
-		i++
-		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
-			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
-		if err != nil || r.Token != tok {
-			b.Fatalf("Acquire = %+v, %v", r, err)
-		}
-		if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tok, Now: now,
-			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
-			b.Fatal(err)
-		}
-	}
-	reportRoundTrips(b, cnt, before)
+	storetest.BenchAcquireComplete(b, s, cnt.n.Load)
 }
 
 // BenchmarkReplay: Acquire of a completed key — what a retry that replays
@@ -73,29 +44,7 @@ func BenchmarkReplay(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
 	warmUp(b, s)
-	ctx := context.Background()
-	f := fp("bench")
-	now := time.Now()
-	tok := "0123456789abcdef0123456789abcdef"
-	if _, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: tok,
-		Now: now, LeaseExpires: now.Add(idem.DefaultLease)}); err != nil {
-		b.Fatal(err)
-	}
-	if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "key", Token: tok, Now: now,
-		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
-		b.Fatal(err)
-	}
-	other := "fedcba9876543210fedcba9876543210"
-	before := cnt.n.Load()
-	for b.Loop() {
-		now := time.Now()
-		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: f, Token: other,
-			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
-		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
-			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
-		}
-	}
-	reportRoundTrips(b, cnt, before)
+	storetest.BenchReplay(b, s, cnt.n.Load)
 }
 
 // BenchmarkRawAddSet: the bare client calls of a hand-made check, add to
@@ -103,7 +52,7 @@ func BenchmarkReplay(b *testing.B) {
 func BenchmarkRawAddSet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := benchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -133,7 +82,7 @@ func BenchmarkRawAddSet(b *testing.B) {
 func BenchmarkRawGet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := benchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -2,7 +2,6 @@ package pgstore_test
 
 import (
 	"fmt"
-	"net/http"
 	"testing"
 	"time"
 
@@ -10,15 +9,13 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/store/pgstore"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // The benchmarks run on a pool of one connection, so ns/op is the latency a
 // single caller sees; every write is its own commit, as in production. The
 // raw benchmarks do the same work with bare statements on a bare table of
 // the same shape in the same schema, to show what the store adds.
-
-var benchResponse = &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
-	Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
 
 type bench struct {
 	store   *pgstore.Store
@@ -60,39 +57,12 @@ func token(b *testing.B) string {
 
 func BenchmarkAcquireComplete(b *testing.B) {
 	x := newBench(b)
-	f, now := fp("a"), time.Now()
-	x.loop(b, func(i int) {
-		key, tok := fmt.Sprintf("key-%08d", i), token(b)
-		r, err := x.store.Acquire(ctx, idem.AcquireParams{Scope: "tenant", Key: key, Fingerprint: f, Token: tok,
-			Now: now, LeaseExpires: now.Add(30 * time.Second)})
-		if err != nil || r.Token != tok {
-			b.Fatalf("Acquire = %+v, %v", r, err)
-		}
-		if err := x.store.Finish(ctx, idem.FinishParams{Scope: "tenant", Key: key, Token: tok, Now: now,
-			State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(24 * time.Hour)}); err != nil {
-			b.Fatal(err)
-		}
-	})
+	storetest.BenchAcquireComplete(b, x.store, x.counter.n.Load)
 }
 
 func BenchmarkReplay(b *testing.B) {
 	x := newBench(b)
-	now := time.Now()
-	p := idem.AcquireParams{Scope: "tenant", Key: "key", Fingerprint: fp("a"), Token: "first", Now: now, LeaseExpires: now.Add(30 * time.Second)}
-	if _, err := x.store.Acquire(ctx, p); err != nil {
-		b.Fatal(err)
-	}
-	if err := x.store.Finish(ctx, idem.FinishParams{Scope: "tenant", Key: "key", Token: "first", Now: now,
-		State: idem.StateCompleted, Response: benchResponse, Expires: now.Add(24 * time.Hour)}); err != nil {
-		b.Fatal(err)
-	}
-	x.loop(b, func(int) {
-		p.Token = token(b)
-		r, err := x.store.Acquire(ctx, p)
-		if err != nil || r.State != idem.StateCompleted || r.Response == nil {
-			b.Fatalf("Acquire = %+v, %v; want the completed record", r, err)
-		}
-	})
+	storetest.BenchReplay(b, x.store, x.counter.n.Load)
 }
 
 // rawTable creates a bare table shaped like records (same columns, types and
@@ -118,7 +88,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 		VALUES ($1, $2, 'in_progress', $3, $4, 1, $5, false, $6, $6)`
 	update := `UPDATE ` + name + ` SET state = 'completed', response = $3, expires = $4, updated = $5
 		WHERE scope = $1 AND key = $2`
-	response, err := benchResponse.MarshalBinary()
+	response, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -137,7 +107,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 func BenchmarkRawSelect(b *testing.B) {
 	x := newBench(b)
 	name := x.rawTable(b)
-	response, err := benchResponse.MarshalBinary()
+	response, err := storetest.BenchResponse.MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -5,41 +5,20 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // BenchmarkAcquireComplete is one request's store work: acquire a new key,
 // then complete it (two write transactions).
 func BenchmarkAcquireComplete(b *testing.B) {
 	s := open(b, filepath.Join(b.TempDir(), "idem.db"))
-	e, _ := idem.New(idem.Config{Store: s})
-	resp := &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1","amount":100}`)}
-	b.ResetTimer()
-	for i := 0; b.Loop(); i++ {
-		out, err := e.Begin(ctx, idem.BeginParams{Key: strconv.Itoa(i), Fingerprint: payload})
-		if err != nil || out.Decision != idem.Execute {
-			b.Fatal(out.Decision, err)
-		}
-		if err := e.Complete(ctx, out.Lease, resp); err != nil {
-			b.Fatal(err)
-		}
-	}
+	storetest.BenchAcquireComplete(b, s, nil)
 }
 
 // BenchmarkReplay is a retry of a completed request: one read transaction.
 func BenchmarkReplay(b *testing.B) {
 	s := open(b, filepath.Join(b.TempDir(), "idem.db"))
-	e, _ := idem.New(idem.Config{Store: s})
-	out, _ := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1","amount":100}`)}); err != nil {
-		b.Fatal(err)
-	}
-	b.ResetTimer()
-	for b.Loop() {
-		if out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload}); err != nil || out.Decision != idem.Replay {
-			b.Fatal(out.Decision, err)
-		}
-	}
+	storetest.BenchReplay(b, s, nil)
 }
 
 // BenchmarkRawInsertUpdate is the physical floor beside AcquireComplete: a
