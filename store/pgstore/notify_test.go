@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"log"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -50,34 +49,6 @@ func newNotifier(t *testing.T, channel string) *pgstore.Notifier {
 		}
 	})
 	return n
-}
-
-// mustNotify notifies scope and key through n.
-func mustNotify(t *testing.T, n *pgstore.Notifier, scope, key string) {
-	t.Helper()
-	if err := n.Notify(ctx, scope, key); err != nil {
-		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
-	}
-}
-
-// woken waits for a value on ch, and fails the test if none comes in time.
-func woken(t *testing.T, ch <-chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(signalWait):
-		t.Fatalf("%s was not woken within %v", what, signalWait)
-	}
-}
-
-// pending reports whether a value waits on ch, without waiting.
-func pending(ch <-chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
 }
 
 // listeners returns the backends that listen on channel (by their last
@@ -150,7 +121,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
-	mustNotify(t, n, "tenant-42", "order-7")
+	storetest.MustNotify(t, n, "tenant-42", "order-7")
 	wait, cancel := context.WithTimeout(ctx, signalWait)
 	defer cancel()
 	note, err := conn.WaitForNotification(wait)
@@ -174,32 +145,6 @@ func TestNotifierConformance(t *testing.T) {
 	})
 }
 
-// started counts the goroutines that the calling goroutine started in
-// function fn and that are still running.
-func started(fn string) int {
-	buf := make([]byte, 64)
-	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
-	for {
-		buf = make([]byte, 2*len(buf))
-		if n := runtime.Stack(buf, true); n < len(buf) {
-			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
-		}
-	}
-}
-
-// awaitStarted waits until want goroutines that the calling goroutine
-// started in fn are still running (one that has just ended may still be
-// returning).
-func awaitStarted(t *testing.T, fn string, want int) {
-	t.Helper()
-	for deadline := time.Now().Add(signalWait); started(fn) != want; {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines started in %s still run, want %d", started(fn), fn, want)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // TestNotifierClose: Close ends the listener's goroutine, closes its
 // connection and may be called again; afterwards Subscribe still works
 // (nothing wakes it) and Notify still sends through the pool.
@@ -215,13 +160,13 @@ func TestNotifierClose(t *testing.T) {
 	if pids := listeners(t, channel); len(pids) != 2 {
 		t.Fatalf("%d sessions listen on the channel, want 2", len(pids))
 	}
-	if g := started(fn); g != 2 {
+	if g := storetest.Goroutines(fn); g != 2 {
 		t.Fatalf("%d listener goroutines, want 2", g)
 	}
 	if err := n.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
-	awaitStarted(t, fn, 1)
+	storetest.AwaitGoroutines(t, fn, 1)
 	if err := n.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
@@ -233,8 +178,8 @@ func TestNotifierClose(t *testing.T) {
 	if err := n.Notify(ctx, "s", "k"); err != nil {
 		t.Fatalf("Notify after Close: %v", err)
 	}
-	woken(t, onOther, "the open notifier's subscriber")
-	if pending(ch) {
+	storetest.Woken(t, onOther, "the open notifier's subscriber")
+	if storetest.Pending(ch) {
 		t.Fatal("the closed notifier woke a subscriber")
 	}
 }
@@ -262,12 +207,12 @@ func TestNotifierReconnects(t *testing.T) {
 
 	killed := awaitListeners(t, channel, 1, 0)[0]
 	kill(killed)
-	woken(t, waiter, "a subscriber, once the listener was back,")
+	storetest.Woken(t, waiter, "a subscriber, once the listener was back,")
 	again := awaitListeners(t, channel, 1, killed)[0]
 	ch, cancel := n.Subscribe("s", "k")
 	defer cancel()
-	mustNotify(t, n, "s", "k")
-	woken(t, ch, "a subscriber after the reconnection")
+	storetest.MustNotify(t, n, "s", "k")
+	storetest.Woken(t, ch, "a subscriber after the reconnection")
 
 	kill(again)
 	closed := make(chan error, 1)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log"
 	"os"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -36,34 +35,6 @@ func newNotifier(t *testing.T, client redis.UniversalClient, channel string) *No
 		}
 	})
 	return n
-}
-
-// mustNotify notifies scope and key through n.
-func mustNotify(t *testing.T, n *Notifier, scope, key string) {
-	t.Helper()
-	if err := n.Notify(context.Background(), scope, key); err != nil {
-		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
-	}
-}
-
-// woken waits for a value on ch, and fails the test if none comes in time.
-func woken(t *testing.T, ch <-chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(signalWait):
-		t.Fatalf("%s was not woken within %v", what, signalWait)
-	}
-}
-
-// ready reports whether a value waits on ch, without waiting.
-func ready(ch <-chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
 }
 
 // TestNotifyPayload: the payload is the hex of the first 16 bytes of
@@ -111,7 +82,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if _, err := raw.Receive(ctx); err != nil {
 		t.Fatal(err)
 	}
-	mustNotify(t, n, "tenant-42", "order-7")
+	storetest.MustNotify(t, n, "tenant-42", "order-7")
 	msg, err := raw.ReceiveMessage(ctx)
 	if err != nil {
 		t.Fatalf("waiting for the message: %v", err)
@@ -132,31 +103,6 @@ func TestNotifierConformance(t *testing.T) {
 	})
 }
 
-// started counts the goroutines that the calling goroutine started in
-// function fn and that are still running.
-func started(fn string) int {
-	buf := make([]byte, 64)
-	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
-	for {
-		buf = make([]byte, 2*len(buf))
-		if n := runtime.Stack(buf, true); n < len(buf) {
-			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
-		}
-	}
-}
-
-// awaitStarted waits until want goroutines that the calling goroutine
-// started in fn are still running (go-redis ends its own asynchronously).
-func awaitStarted(t *testing.T, fn string, want int) {
-	t.Helper()
-	for deadline := time.Now().Add(signalWait); started(fn) != want; {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines started in %s still run, want %d", started(fn), fn, want)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // TestNotifierClose: Close ends the notifier's goroutine, and go-redis's for
 // its subscription, and may be called again; afterwards Subscribe still works
 // (nothing wakes it) and Notify still publishes through the client.
@@ -175,7 +121,7 @@ func TestNotifierClose(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, fn := range fns {
-		if g := started(fn); g != 2 {
+		if g := storetest.Goroutines(fn); g != 2 {
 			t.Fatalf("%d goroutines started in %s, want 2", g, fn)
 		}
 	}
@@ -183,7 +129,7 @@ func TestNotifierClose(t *testing.T) {
 		t.Fatalf("Close: %v", err)
 	}
 	for _, fn := range fns {
-		awaitStarted(t, fn, 1)
+		storetest.AwaitGoroutines(t, fn, 1)
 	}
 	if err := n.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
@@ -195,8 +141,8 @@ func TestNotifierClose(t *testing.T) {
 	if err := n.Notify(context.Background(), "s", "k"); err != nil {
 		t.Fatalf("Notify after Close: %v", err)
 	}
-	woken(t, onOther, "the open notifier's subscriber")
-	if ready(ch) {
+	storetest.Woken(t, onOther, "the open notifier's subscriber")
+	if storetest.Pending(ch) {
 		t.Fatal("the closed notifier woke a subscriber")
 	}
 }
@@ -250,14 +196,14 @@ func TestNotifierResubscribes(t *testing.T) {
 	if err := testClient(t).Do(context.Background(), "CLIENT", "KILL", "ID", killed).Err(); err != nil {
 		t.Fatalf("killing the subscription's connection: %v", err)
 	}
-	woken(t, waiter, "a subscriber, once the subscription was back,")
+	storetest.Woken(t, waiter, "a subscriber, once the subscription was back,")
 	if id := pubsubClientID(t, opt.ClientName); id == killed {
 		t.Fatal("the killed connection is still subscribed")
 	}
 	ch, cancel := n.Subscribe("s", "k")
 	defer cancel()
-	mustNotify(t, n, "s", "k")
-	woken(t, ch, "a subscriber after the resubscription")
+	storetest.MustNotify(t, n, "s", "k")
+	storetest.Woken(t, ch, "a subscriber after the resubscription")
 }
 
 // TestNotifierCluster: on Redis Cluster, a notification published on any
@@ -275,13 +221,13 @@ func TestNotifierCluster(t *testing.T) {
 	b := newNotifier(t, cluster, channel)
 	ch, cancel := b.Subscribe("s", "k")
 	defer cancel()
-	mustNotify(t, newNotifier(t, cluster, channel), "s", "k")
-	woken(t, ch, "the subscriber, notified through the cluster client,")
+	storetest.MustNotify(t, newNotifier(t, cluster, channel), "s", "k")
+	storetest.Woken(t, ch, "the subscriber, notified through the cluster client,")
 	for _, addr := range strings.Split(addrs, ",") {
 		node := redis.NewClient(&redis.Options{Addr: addr})
 		t.Cleanup(func() { node.Close() })
-		mustNotify(t, newNotifier(t, node, channel), "s", "k")
-		woken(t, ch, fmt.Sprintf("the subscriber, notified on node %s,", addr))
+		storetest.MustNotify(t, newNotifier(t, node, channel), "s", "k")
+		storetest.Woken(t, ch, fmt.Sprintf("the subscriber, notified on node %s,", addr))
 	}
 }
 

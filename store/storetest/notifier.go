@@ -2,6 +2,8 @@ package storetest
 
 import (
 	"context"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -36,14 +38,17 @@ func RunNotifier(t *testing.T, newInstances func(t *testing.T) (idem.Store, func
 	}
 }
 
-func mustNotify(t *testing.T, n idem.Notifier, scope, key string) {
+// MustNotify notifies scope and key through n, failing the test on error.
+func MustNotify(t *testing.T, n idem.Notifier, scope, key string) {
 	t.Helper()
 	if err := n.Notify(ctx, scope, key); err != nil {
 		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
 	}
 }
 
-func woken(t *testing.T, ch <-chan struct{}, what string) {
+// Woken waits for a value on ch, and fails the test if none comes within
+// ten seconds: a signal wait, not a sleep.
+func Woken(t *testing.T, ch <-chan struct{}, what string) {
 	t.Helper()
 	select {
 	case <-ch:
@@ -52,13 +57,41 @@ func woken(t *testing.T, ch <-chan struct{}, what string) {
 	}
 }
 
-// pending reports, without waiting, whether ch holds a wake-up.
-func pending(ch <-chan struct{}) bool {
+// Pending reports, without waiting, whether ch holds a wake-up.
+func Pending(ch <-chan struct{}) bool {
 	select {
 	case <-ch:
 		return true
 	default:
 		return false
+	}
+}
+
+// Goroutines counts the goroutines that the calling goroutine started in
+// function fn (as runtime.Stack names it) and that are still running.
+func Goroutines(fn string) int {
+	buf := make([]byte, 64)
+	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
+	for {
+		buf = make([]byte, 2*len(buf))
+		if n := runtime.Stack(buf, true); n < len(buf) {
+			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
+		}
+	}
+}
+
+// AwaitGoroutines waits until exactly want goroutines that the calling
+// goroutine started in function fn (as runtime.Stack names it) are still
+// running, failing the test after ten seconds: how a store's test shows
+// that Close ended what a constructor started (one that has just ended may
+// still be returning).
+func AwaitGoroutines(t *testing.T, fn string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(notifyWait); Goroutines(fn) != want; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines started in %s still run, want %d", Goroutines(fn), fn, want)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -71,9 +104,9 @@ func testNotifierWakesOtherInstance(t *testing.T, _ idem.Store, newNotifier func
 	defer cancelB()
 	onA, cancelA := a.Subscribe("s", "k")
 	defer cancelA()
-	mustNotify(t, a, "s", "k")
-	woken(t, onB, "the other instance's subscriber")
-	woken(t, onA, "the sending instance's own subscriber")
+	MustNotify(t, a, "s", "k")
+	Woken(t, onB, "the other instance's subscriber")
+	Woken(t, onA, "the sending instance's own subscriber")
 }
 
 // testNotifierKeepsRecordsApart: a notification for another key, or for the
@@ -91,19 +124,19 @@ func testNotifierKeepsRecordsApart(t *testing.T, _ idem.Store, newNotifier func(
 	marker, c4 := b.Subscribe("s", "marker")
 	defer c4()
 
-	mustNotify(t, a, "s", "k2")
-	mustNotify(t, a, "s2", "k")
-	mustNotify(t, a, "s", "marker")
-	woken(t, marker, "the marker's subscriber")
-	if !pending(otherKey) || !pending(otherScope) {
+	MustNotify(t, a, "s", "k2")
+	MustNotify(t, a, "s2", "k")
+	MustNotify(t, a, "s", "marker")
+	Woken(t, marker, "the marker's subscriber")
+	if !Pending(otherKey) || !Pending(otherScope) {
 		t.Fatal("the notifications sent before the marker's were not delivered before it")
 	}
-	if pending(right) {
+	if Pending(right) {
 		t.Fatal("a notification for another key or scope woke the subscriber")
 	}
-	mustNotify(t, a, "s", "k")
-	woken(t, right, "the subscriber")
-	if pending(right) || pending(otherKey) || pending(otherScope) || pending(marker) {
+	MustNotify(t, a, "s", "k")
+	Woken(t, right, "the subscriber")
+	if Pending(right) || Pending(otherKey) || Pending(otherScope) || Pending(marker) {
 		t.Fatal("a subscriber was woken twice, or by another record's notification")
 	}
 }
@@ -117,9 +150,9 @@ func testNotifierCancel(t *testing.T, _ idem.Store, newNotifier func() idem.Noti
 	defer cancelKept()
 	cancelGone()
 	cancelGone() // twice is harmless
-	mustNotify(t, n, "s", "k")
-	woken(t, kept, "the remaining subscriber")
-	if pending(gone) {
+	MustNotify(t, n, "s", "k")
+	Woken(t, kept, "the remaining subscriber")
+	if Pending(gone) {
 		t.Fatal("a cancelled subscription was woken")
 	}
 }
