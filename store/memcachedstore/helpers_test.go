@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/bradfitz/gomemcache/memcache"
-	"github.com/idemhq/idem"
 )
 
 const skipMessage = "set IDEM_TEST_MEMCACHED_ADDR=127.0.0.1:11211 (memcached -d -l 127.0.0.1 -p 11211 -u root starts one) to run the Memcached tests"
@@ -198,42 +197,7 @@ func indexed(t *testing.T, s *Store, scope, key string) bool {
 	return false
 }
 
-func fp(body string) idem.Fingerprint {
-	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
-}
-
 var t0 = time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC)
-
-func acquire(t *testing.T, s *Store, scope, key string, now time.Time, lease time.Duration) idem.Record {
-	t.Helper()
-	tok, err := idem.NewToken()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: scope, Key: key, Fingerprint: fp("a"),
-		Token: tok, Now: now, LeaseExpires: now.Add(lease)})
-	if err != nil {
-		t.Fatalf("Acquire(%q, %q): %v", scope, key, err)
-	}
-	if r.Token != tok {
-		t.Fatalf("Acquire(%q, %q) did not grant the lease: %+v", scope, key, r)
-	}
-	return r
-}
-
-func finish(t *testing.T, s *Store, r idem.Record, now time.Time, state idem.State, retention time.Duration) {
-	t.Helper()
-	p := idem.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: now, State: state}
-	if state == idem.StateCompleted {
-		p.Response = &idem.Response{Status: 201, Body: []byte("ok")}
-	}
-	if state.Terminal() {
-		p.Expires = now.Add(retention)
-	}
-	if err := s.Finish(context.Background(), p); err != nil {
-		t.Fatalf("Finish(%q) as %s: %v", r.Key, state, err)
-	}
-}
 
 // closedPort returns a local TCP address nothing listens on.
 func closedPort(t *testing.T) string {

@@ -129,7 +129,7 @@ func TestLongNamesOnTheServer(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{Prefix: randomPrefix(t) + strings.Repeat("p", MaxPrefixLen-25)})
 	scope, key := strings.Repeat("a b", 85), strings.Repeat("c d", 85)
-	r := acquire(t, s, scope, key, t0, time.Minute)
+	r := storetest.Acquire(t, s, scope, key, t0, time.Minute)
 	got, err := s.Get(context.Background(), idem.GetParams{Scope: scope, Key: key, Now: t0})
 	if err != nil || !reflect.DeepEqual(got, r) {
 		t.Fatalf("Get = %+v, %v; want %+v", got, err, r)
@@ -145,7 +145,7 @@ func TestCodec(t *testing.T) {
 	for i := range every {
 		every[i] = byte(i)
 	}
-	base := idem.Record{Scope: "s c", Key: `k"\<>&` + "\u007f", State: idem.StateCompleted, Fingerprint: fp("a"),
+	base := idem.Record{Scope: "s c", Key: `k"\<>&` + "\u007f", State: idem.StateCompleted, Fingerprint: storetest.Fingerprint("a"),
 		Token: "tok", Fence: 3, LeaseExpires: t0.Add(time.Minute), TakeoverSafe: true,
 		Created: t0, Updated: t0.Add(time.Second), Expires: t0.Add(time.Hour),
 		Checkpoints: []idem.Checkpoint{{Name: "a", Data: []byte("x\ny"), At: t0}, {Name: "b", At: t0.Add(time.Second)}}}
@@ -250,21 +250,21 @@ func TestExpiration(t *testing.T) {
 	s := newTestStore(t, testClient(t), Config{Shards: 1})
 	key := func(k string) string { return s.recordKey(recordHash("s", k)) }
 
-	done := acquire(t, s, "s", "done", t0, time.Minute)
+	done := storetest.Acquire(t, s, "s", "done", t0, time.Minute)
 	if ttl := metaTTL(t, key("done")); ttl != -1 {
 		t.Errorf("IN_PROGRESS record: ttl %d, want -1 (never expires)", ttl)
 	}
-	finish(t, s, done, t0, idem.StateCompleted, time.Hour)
+	storetest.Finish(t, s, done, t0, idem.StateCompleted, time.Hour)
 	if ttl := metaTTL(t, key("done")); ttl < 3599 || ttl > 3601 {
 		t.Errorf("COMPLETED record with an hour's retention: ttl %d, want 3601 give or take the server's clock tick", ttl)
 	}
-	failed := acquire(t, s, "s", "failed", t0, time.Minute)
-	finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, 90*time.Second+time.Millisecond)
+	failed := storetest.Acquire(t, s, "s", "failed", t0, time.Minute)
+	storetest.Finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, 90*time.Second+time.Millisecond)
 	if ttl := metaTTL(t, key("failed")); ttl < 90 || ttl > 92 {
 		t.Errorf("FAILED record with 90.001 s of retention: ttl %d, want 92", ttl)
 	}
-	unknown := acquire(t, s, "s", "unknown", t0, time.Minute)
-	finish(t, s, unknown, t0, idem.StateUnknown, 0)
+	unknown := storetest.Acquire(t, s, "s", "unknown", t0, time.Minute)
+	storetest.Finish(t, s, unknown, t0, idem.StateUnknown, 0)
 	if ttl := metaTTL(t, key("unknown")); ttl != -1 {
 		t.Errorf("UNKNOWN record: ttl %d, want -1", ttl)
 	}
@@ -274,14 +274,14 @@ func TestExpiration(t *testing.T) {
 	// Over 30 days, the expiration is absolute: it is read against the
 	// server's clock, so this case uses the wall clock as the engine would.
 	now := time.Now()
-	long := acquire(t, s, "s", "long", now, time.Minute)
-	finish(t, s, long, now, idem.StateCompleted, 40*24*time.Hour)
+	long := storetest.Acquire(t, s, "s", "long", now, time.Minute)
+	storetest.Finish(t, s, long, now, idem.StateCompleted, 40*24*time.Hour)
 	want := int(40 * 24 * time.Hour / time.Second)
 	if ttl := metaTTL(t, key("long")); ttl < want-5 || ttl > want+5 {
 		t.Errorf("COMPLETED record with 40 days of retention: ttl %d, want about %d", ttl, want)
 	}
 	// The record re-created over an expired one never expires again.
-	again := acquire(t, s, "s", "failed", t0.Add(time.Hour), time.Minute)
+	again := storetest.Acquire(t, s, "s", "failed", t0.Add(time.Hour), time.Minute)
 	if ttl := metaTTL(t, key("failed")); ttl != -1 || again.Fence != 1 {
 		t.Errorf("record re-created over an expired one: ttl %d fence %d, want -1 and 1", ttl, again.Fence)
 	}
@@ -293,8 +293,8 @@ func TestServerExpiresSettledRecord(t *testing.T) {
 	t.Parallel()
 	client := testClient(t)
 	s := newTestStore(t, client, Config{})
-	r := acquire(t, s, "s", "brief", t0, time.Minute)
-	finish(t, s, r, t0, idem.StateCompleted, time.Second) // expiration 2 s
+	r := storetest.Acquire(t, s, "s", "brief", t0, time.Minute)
+	storetest.Finish(t, s, r, t0, idem.StateCompleted, time.Second) // expiration 2 s
 	key := s.recordKey(recordHash("s", "brief"))
 	start := time.Now()
 	deadline := start.Add(10 * time.Second)
@@ -327,7 +327,7 @@ func TestForeignRecordNeverReturned(t *testing.T) {
 	client := testClient(t)
 	s := newTestStore(t, client, Config{Shards: 1})
 	ctx := context.Background()
-	a := acquire(t, s, "tenant-a", "k1", t0, time.Minute)
+	a := storetest.Acquire(t, s, "tenant-a", "k1", t0, time.Minute)
 	it, err := client.Get(s.recordKey(recordHash("tenant-a", "k1")))
 	if err != nil {
 		t.Fatal(err)
@@ -355,7 +355,7 @@ func TestForeignRecordNeverReturned(t *testing.T) {
 			t.Errorf("%s with the other record's token: %v, want ErrLeaseLost", name, err)
 		}
 	}
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "tenant-b", Key: "k2", Fingerprint: fp("a"), Token: strings.Repeat("b", 32),
+	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "tenant-b", Key: "k2", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if err == nil || errors.Is(err, idem.ErrUnavailable) || errors.Is(err, idem.ErrInvalid) {
 		t.Errorf("Acquire under the colliding name = %+v, %v; want a plain error", r, err)
@@ -390,7 +390,7 @@ func TestRoundTrips(t *testing.T) {
 	tok := strings.Repeat("a", 32)
 	acq := func(key, tok string, now time.Time) func() error {
 		return func() error {
-			_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: tok,
+			_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: storetest.Fingerprint("a"), Token: tok,
 				Now: now, LeaseExpires: now.Add(time.Minute)})
 			return err
 		}
@@ -431,9 +431,9 @@ func TestRoundTrips(t *testing.T) {
 	cost("Acquire that marks an expired lease UNKNOWN", 3, acq("first", strings.Repeat("d", 32), t0.Add(time.Minute)))
 	cost("Acquire of an expired record", 3, acq("k", strings.Repeat("e", 32), t0.Add(2*time.Hour)))
 	for i := range 20 {
-		u := acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
-		finish(t, s, u, t0, idem.StateUnknown, 0)
-		acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: read, not returned
+		u := storetest.Acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
+		storetest.Finish(t, s, u, t0, idem.StateUnknown, 0)
+		storetest.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: read, not returned
 	}
 	cost("Scan page", 2, func() error {
 		res, err := s.Scan(ctx, idem.ScanParams{Now: t0, Limit: 30})
@@ -460,14 +460,14 @@ func TestIndex(t *testing.T) {
 	const lease = time.Minute
 	recs := map[string]idem.Record{}
 	for _, k := range []string{"done", "failed", "unknown", "evicted", "running"} {
-		recs[k] = acquire(t, s, "s", k, t0, lease)
+		recs[k] = storetest.Acquire(t, s, "s", k, t0, lease)
 		if !indexed(t, s, "s", k) {
 			t.Fatalf("%s: not indexed after its acquire", k)
 		}
 	}
-	finish(t, s, recs["done"], t0, idem.StateCompleted, time.Hour)
-	finish(t, s, recs["failed"], t0, idem.StateFailed, time.Hour)
-	finish(t, s, recs["unknown"], t0, idem.StateUnknown, 0)
+	storetest.Finish(t, s, recs["done"], t0, idem.StateCompleted, time.Hour)
+	storetest.Finish(t, s, recs["failed"], t0, idem.StateFailed, time.Hour)
+	storetest.Finish(t, s, recs["unknown"], t0, idem.StateUnknown, 0)
 	for k, want := range map[string]bool{"done": false, "failed": false, "unknown": true, "evicted": true, "running": true} {
 		if indexed(t, s, "s", k) != want {
 			t.Errorf("%s: indexed %v after settling, want %v", k, !want, want)
@@ -512,8 +512,8 @@ func TestIndexFoldsHistory(t *testing.T) {
 	s := newTestStore(t, client, Config{Shards: 1})
 	const pairs = foldEvery/2 + 1 // the first acquire creates the index: no append
 	for i := range pairs {
-		r := acquire(t, s, "s", "k"+strconv.Itoa(i), t0, time.Minute)
-		finish(t, s, r, t0, idem.StateCompleted, time.Hour)
+		r := storetest.Acquire(t, s, "s", "k"+strconv.Itoa(i), t0, time.Minute)
+		storetest.Finish(t, s, r, t0, idem.StateCompleted, time.Hour)
 	}
 	it, err := client.Get(s.indexKeys[0])
 	if err != nil {
@@ -533,16 +533,16 @@ func TestIndexLost(t *testing.T) {
 	client := testClient(t)
 	s := newTestStore(t, client, Config{Shards: 1})
 	ctx := context.Background()
-	crashed := acquire(t, s, "s", "crashed", t0, time.Minute)
+	crashed := storetest.Acquire(t, s, "s", "crashed", t0, time.Minute)
 	if err := client.Delete(s.indexKeys[0]); err != nil {
 		t.Fatal(err)
 	}
-	acquire(t, s, "s", "later", t0, time.Hour)
+	storetest.Acquire(t, s, "s", "later", t0, time.Hour)
 	if !indexed(t, s, "s", "later") || indexed(t, s, "s", "crashed") {
 		t.Fatalf("index after it was lost and one acquire: %v", indexOf(t, s, 0))
 	}
 	now := t0.Add(time.Minute)
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: fp("a"), Token: strings.Repeat("b", 32),
+	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 		Now: now, LeaseExpires: now.Add(time.Minute)})
 	if err != nil || r.State != idem.StateUnknown || r.Token != crashed.Token {
 		t.Fatalf("Acquire after the lease = %+v, %v; want unknown under the old token", r, err)
@@ -618,14 +618,14 @@ func TestIndexFull(t *testing.T) {
 	}
 
 	fill(true)
-	acquire(t, s, "s", "fits", t0, time.Minute)
+	storetest.Acquire(t, s, "s", "fits", t0, time.Minute)
 	set := indexOf(t, s, 0)
 	if len(set) != 1 || !indexed(t, s, "s", "fits") {
 		t.Fatalf("after folding a full index of history: %d entries", len(set))
 	}
 
 	fill(false)
-	_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "no room", Fingerprint: fp("a"), Token: strings.Repeat("a", 32),
+	_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "no room", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("a", 32),
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Acquire with a full index: %v, want ErrUnavailable", err)
@@ -645,9 +645,9 @@ func TestScanWhileSettling(t *testing.T) {
 	want := map[string]bool{}
 	for i := range n {
 		key := fmt.Sprintf("k%02d", i)
-		r := acquire(t, s, "s", key, t0, time.Minute)
+		r := storetest.Acquire(t, s, "s", key, t0, time.Minute)
 		if i%2 == 0 {
-			finish(t, s, r, t0, idem.StateUnknown, 0)
+			storetest.Finish(t, s, r, t0, idem.StateUnknown, 0)
 		}
 		want[key] = true
 	}
@@ -668,7 +668,7 @@ func TestScanWhileSettling(t *testing.T) {
 			}
 			seen[r.Key] = true
 			if i%3 == 0 || i == len(res.Records)-1 {
-				finish(t, s, r, now, idem.StateFailed, time.Hour)
+				storetest.Finish(t, s, r, now, idem.StateFailed, time.Hour)
 			}
 		}
 		if cursor = res.Cursor; cursor == "" {
@@ -703,7 +703,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	s := newTestStore(t, client, Config{Shards: 1})
 	var order []string // scan order: by hash
 	for i := range 6 {
-		acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
+		storetest.Acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
 	}
 	for _, h := range indexOf(t, s, 0).hashes() {
 		for i := range 6 {
@@ -776,7 +776,7 @@ func TestScanRejectsForeignCursor(t *testing.T) {
 func TestConcurrentWritesOneRecord(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{})
-	r := acquire(t, s, "s", "k", t0, time.Minute)
+	r := storetest.Acquire(t, s, "s", "k", t0, time.Minute)
 	const n = 40
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -825,7 +825,7 @@ func TestConcurrentAcquiresOneIndex(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			_, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "k" + strconv.Itoa(i), Fingerprint: fp("a"),
+			_, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "k" + strconv.Itoa(i), Fingerprint: storetest.Fingerprint("a"),
 				Token: strings.Repeat("a", 32), Now: t0, LeaseExpires: t0.Add(time.Minute)})
 			errs <- err
 		}()
@@ -875,7 +875,7 @@ func TestBodyLimit(t *testing.T) {
 		t.Fatalf("MaxBody = %d", s.MaxBody())
 	}
 	for key, size := range map[string]int{"at": s.MaxBody(), "over": s.MaxBody() + 1} {
-		r := acquire(t, s, "s", key, t0, time.Minute)
+		r := storetest.Acquire(t, s, "s", key, t0, time.Minute)
 		body := bytes.Repeat([]byte{'\n'}, size)
 		if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: r.Token, Now: t0, State: idem.StateCompleted,
 			Response: &idem.Response{Status: 200, Body: body}, Expires: t0.Add(time.Hour)}); err != nil {
@@ -891,7 +891,7 @@ func TestBodyLimit(t *testing.T) {
 		}
 	}
 
-	r := acquire(t, s, "s", "headers", t0, time.Minute)
+	r := storetest.Acquire(t, s, "s", "headers", t0, time.Minute)
 	before := cnt.n.Load()
 	err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "headers", Token: r.Token, Now: t0, State: idem.StateCompleted,
 		Response: &idem.Response{Status: 200, Header: http.Header{"X-Big": {strings.Repeat("h", MinMaxItem)}}}, Expires: t0.Add(time.Hour)})
@@ -930,7 +930,7 @@ func TestServerLimitBelowMaxItem(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{MaxItem: 4 << 20})
 	ctx := context.Background()
-	r := acquire(t, s, "s", "k", t0, time.Minute)
+	r := storetest.Acquire(t, s, "s", "k", t0, time.Minute)
 	err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateCompleted,
 		Response: &idem.Response{Status: 200, Body: make([]byte, 2<<20)}, Expires: t0.Add(time.Hour)})
 	if !errors.Is(err, idem.ErrInvalid) || errors.Is(err, idem.ErrUnavailable) {
@@ -944,7 +944,7 @@ func TestServerLimitBelowMaxItem(t *testing.T) {
 func TestCanceledContext(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{})
-	r := acquire(t, s, "s", "k", t0, time.Minute)
+	r := storetest.Acquire(t, s, "s", "k", t0, time.Minute)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	errs := map[string]error{
@@ -953,7 +953,7 @@ func TestCanceledContext(t *testing.T) {
 		"Finish": s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateFailed,
 			Expires: t0.Add(time.Hour)}),
 	}
-	_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "new", Fingerprint: fp("a"), Token: r.Token,
+	_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "new", Fingerprint: storetest.Fingerprint("a"), Token: r.Token,
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	_, errs["Get"] = s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
 	_, errs["Scan"] = s.Scan(ctx, idem.ScanParams{Now: t0})
@@ -987,7 +987,7 @@ func TestUnreachableServer(t *testing.T) {
 			"Checkpoint": s.Checkpoint(ctx, idem.CheckpointParams{Key: "k", Token: tok, Now: t0, Name: "x"}),
 			"Finish":     s.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)}),
 		}
-		_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
+		_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		_, errs["Get"] = s.Get(ctx, idem.GetParams{Key: "k", Now: t0})
 		_, errs["Scan"] = s.Scan(ctx, idem.ScanParams{Now: t0})
 		for op, err := range errs {

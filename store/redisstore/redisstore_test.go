@@ -249,42 +249,7 @@ func TestRecordKeysShareASlot(t *testing.T) {
 	}
 }
 
-func fp(body string) idem.Fingerprint {
-	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
-}
-
 var t0 = time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC)
-
-func acquire(t *testing.T, s *Store, scope, key string, now time.Time, lease time.Duration) idem.Record {
-	t.Helper()
-	tok, err := idem.NewToken()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: scope, Key: key, Fingerprint: fp("a"),
-		Token: tok, Now: now, LeaseExpires: now.Add(lease)})
-	if err != nil {
-		t.Fatalf("Acquire(%q, %q): %v", scope, key, err)
-	}
-	if r.Token != tok {
-		t.Fatalf("Acquire(%q, %q) did not grant the lease: %+v", scope, key, r)
-	}
-	return r
-}
-
-func finish(t *testing.T, s *Store, r idem.Record, now time.Time, state idem.State, retention time.Duration) {
-	t.Helper()
-	p := idem.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: now, State: state}
-	if state == idem.StateCompleted {
-		p.Response = &idem.Response{Status: 201, Body: []byte("ok")}
-	}
-	if state.Terminal() {
-		p.Expires = now.Add(retention)
-	}
-	if err := s.Finish(context.Background(), p); err != nil {
-		t.Fatalf("Finish(%q) as %s: %v", r.Key, state, err)
-	}
-}
 
 // checkUnsettled asserts that a record has no TTL and sits in its shard's
 // pending set with the given score.
@@ -328,26 +293,26 @@ func TestTTLAndPendingSet(t *testing.T) {
 	s := newTestStore(t, client, 4)
 	const lease, retention = 30 * time.Second, 2 * time.Hour
 
-	done := acquire(t, s, "s", "done", t0, lease)
+	done := storetest.Acquire(t, s, "s", "done", t0, lease)
 	checkUnsettled(t, s, client, "done", t0.Add(lease))
-	finish(t, s, done, t0.Add(time.Second), idem.StateCompleted, retention)
+	storetest.Finish(t, s, done, t0.Add(time.Second), idem.StateCompleted, retention)
 	checkSettled(t, s, client, "done", retention)
 
-	failed := acquire(t, s, "s", "failed", t0, lease)
-	finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, time.Minute)
+	failed := storetest.Acquire(t, s, "s", "failed", t0, lease)
+	storetest.Finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, time.Minute)
 	checkSettled(t, s, client, "failed", time.Minute)
 
 	// Marked unknown by its owner while the lease runs: pending at once.
-	marked := acquire(t, s, "s", "marked", t0, lease)
-	finish(t, s, marked, t0.Add(time.Second), idem.StateUnknown, 0)
+	marked := storetest.Acquire(t, s, "s", "marked", t0, lease)
+	storetest.Finish(t, s, marked, t0.Add(time.Second), idem.StateUnknown, 0)
 	checkUnsettled(t, s, client, "marked", t0.Add(time.Second))
 	// ... and settled later by the owner's late outcome.
-	finish(t, s, marked, t0.Add(time.Hour), idem.StateCompleted, retention)
+	storetest.Finish(t, s, marked, t0.Add(time.Hour), idem.StateCompleted, retention)
 	checkSettled(t, s, client, "marked", retention)
 
 	// An expired lease turned unknown by a retry keeps its (past) score.
-	crashed := acquire(t, s, "s", "crashed", t0, lease)
-	r, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: fp("a"),
+	crashed := storetest.Acquire(t, s, "s", "crashed", t0, lease)
+	r, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || r.State != idem.StateUnknown || r.Token != crashed.Token {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown under the old token", r, err)
@@ -357,18 +322,18 @@ func TestTTLAndPendingSet(t *testing.T) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, r)
 	}
 	// Its owner declaring it unknown later does not move it either.
-	finish(t, s, crashed, t0.Add(time.Hour), idem.StateUnknown, 0)
+	storetest.Finish(t, s, crashed, t0.Add(time.Hour), idem.StateUnknown, 0)
 	checkUnsettled(t, s, client, "crashed", t0.Add(lease))
 
 	// A takeover of an expired takeover-safe lease: a new lease, stored, and
 	// the pending score follows it.
-	safe, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: fp("a"),
+	safe, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0, LeaseExpires: t0.Add(lease), TakeoverSafe: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	later := t0.Add(2 * lease)
-	taken, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: fp("a"),
+	taken, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("d", 32), Now: later, LeaseExpires: later.Add(lease), TakeoverSafe: true})
 	if err != nil || taken.Token == safe.Token || taken.Fence != 2 {
 		t.Fatalf("takeover = %+v, %v", taken, err)
@@ -383,7 +348,7 @@ func TestTTLAndPendingSet(t *testing.T) {
 	checkUnsettled(t, s, client, "safe", later.Add(lease))
 
 	// A renewal moves the score.
-	running := acquire(t, s, "s", "running", t0, lease)
+	running := storetest.Acquire(t, s, "s", "running", t0, lease)
 	if err := s.Renew(context.Background(), idem.RenewParams{Scope: "s", Key: "running", Token: running.Token,
 		Now: t0.Add(10 * time.Second), LeaseExpires: t0.Add(40 * time.Second)}); err != nil {
 		t.Fatal(err)
@@ -391,16 +356,16 @@ func TestTTLAndPendingSet(t *testing.T) {
 	checkUnsettled(t, s, client, "running", t0.Add(40*time.Second))
 
 	// Re-created over an expired record: the TTL is gone again.
-	again := acquire(t, s, "s", "failed", t0.Add(time.Hour), lease)
+	again := storetest.Acquire(t, s, "s", "failed", t0.Add(time.Hour), lease)
 	if again.Fence != 1 {
 		t.Fatalf("re-created over an expired record: fence %d, want 1", again.Fence)
 	}
 	checkUnsettled(t, s, client, "failed", t0.Add(time.Hour+lease))
 
 	// Over a live FAILED record, the fence continues.
-	released := acquire(t, s, "s", "released", t0, lease)
-	finish(t, s, released, t0, idem.StateFailed, time.Hour)
-	rerun := acquire(t, s, "s", "released", t0.Add(time.Second), lease)
+	released := storetest.Acquire(t, s, "s", "released", t0, lease)
+	storetest.Finish(t, s, released, t0, idem.StateFailed, time.Hour)
+	rerun := storetest.Acquire(t, s, "s", "released", t0.Add(time.Second), lease)
 	if rerun.Fence != 2 {
 		t.Fatalf("re-run over a failed record: fence %d, want 2", rerun.Fence)
 	}
@@ -425,7 +390,7 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 		return strings.Join(n, " ")
 	}
 
-	r := acquire(t, s, "s", "k", t0, lease)
+	r := storetest.Acquire(t, s, "s", "k", t0, lease)
 	binary := []byte{0, '\n', 0xff, '"'}
 	for i, name := range []string{"authorize", "capture"} {
 		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
@@ -440,7 +405,7 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
 	}
 
-	unknown, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"),
+	unknown, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
@@ -448,15 +413,15 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 	if stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, unknown) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
 	}
-	finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
-	replay, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"),
+	storetest.Finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
+	replay, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || replay.State != idem.StateCompleted || names(replay) != "authorize capture" {
 		t.Fatalf("replay = %+v, %v; want completed with both checkpoints", replay, err)
 	}
 
 	later := t0.Add(lease + 2*time.Hour)
-	again := acquire(t, s, "s", "k", later, lease)
+	again := storetest.Acquire(t, s, "s", "k", later, lease)
 	if again.Checkpoints != nil {
 		t.Fatalf("re-created record has checkpoints %+v", again.Checkpoints)
 	}
@@ -533,7 +498,7 @@ func TestRoundTrips(t *testing.T) {
 	var r idem.Record
 	tok := strings.Repeat("a", 32)
 	cost("Acquire of a new key", 1, func() (err error) {
-		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"), Token: tok,
+		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok,
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -554,7 +519,7 @@ func TestRoundTrips(t *testing.T) {
 			Response: resp, Expires: t0.Add(time.Hour)})
 	})
 	cost("Acquire that replays", 1, func() (err error) {
-		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: fp("a"), Token: strings.Repeat("b", 32),
+		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -566,9 +531,9 @@ func TestRoundTrips(t *testing.T) {
 		return err
 	})
 	for i := range 20 {
-		u := acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
-		finish(t, s, u, t0, idem.StateUnknown, 0)
-		acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: not read
+		u := storetest.Acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
+		storetest.Finish(t, s, u, t0, idem.StateUnknown, 0)
+		storetest.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: not read
 	}
 	cost("Scan page", 2, func() error {
 		res, err := s.Scan(ctx, idem.ScanParams{Now: t0, Limit: 20})
@@ -592,9 +557,9 @@ func TestScanWhileSettling(t *testing.T) {
 	want := map[string]bool{}
 	for i := range n {
 		key := fmt.Sprintf("k%02d", i)
-		r := acquire(t, s, "s", key, t0, time.Minute)
+		r := storetest.Acquire(t, s, "s", key, t0, time.Minute)
 		if i%2 == 0 {
-			finish(t, s, r, t0, idem.StateUnknown, 0) // score t0
+			storetest.Finish(t, s, r, t0, idem.StateUnknown, 0) // score t0
 		}
 		want[key] = true
 	}
@@ -615,7 +580,7 @@ func TestScanWhileSettling(t *testing.T) {
 			}
 			seen[r.Key] = true
 			if i%3 == 0 || i == len(res.Records)-1 {
-				finish(t, s, r, now, idem.StateFailed, time.Hour)
+				storetest.Finish(t, s, r, now, idem.StateFailed, time.Hour)
 			}
 		}
 		if cursor = res.Cursor; cursor == "" {
@@ -646,7 +611,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	client := testClient(t)
 	s := newTestStore(t, client, 1)
 	for i := range 6 {
-		acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
+		storetest.Acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
 	}
 	for _, key := range []string{"k1", "k2"} {
 		rec, _ := s.keys("s", key)
@@ -712,7 +677,7 @@ func TestUnreachableServer(t *testing.T) {
 	}
 	ctx := context.Background()
 	tok := strings.Repeat("a", 32)
-	_, err = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
+	_, err = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Acquire: err = %v, want ErrUnavailable", err)
 	}

@@ -19,7 +19,7 @@ var BenchResponse = &idem.Response{Status: 201, Header: http.Header{"Content-Typ
 // roundTrips is not nil it reads the store's count of round trips so far, and
 // the benchmark reports roundtrips/op. It also reports ops/s.
 func BenchAcquireComplete(b *testing.B, s idem.Store, roundTrips func() int64) {
-	f := fp("bench")
+	f := Fingerprint("bench")
 	measure(b, roundTrips, func(i int) {
 		now, key, tok := time.Now(), "key-"+strconv.Itoa(i), token(b)
 		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
@@ -38,7 +38,7 @@ func BenchAcquireComplete(b *testing.B, s idem.Store, roundTrips func() int64) {
 // completed key. roundTrips is as for [BenchAcquireComplete].
 func BenchReplay(b *testing.B, s idem.Store, roundTrips func() int64) {
 	now := time.Now()
-	p := idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: fp("bench"), Token: token(b), Now: now, LeaseExpires: now.Add(idem.DefaultLease)}
+	p := idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: Fingerprint("bench"), Token: token(b), Now: now, LeaseExpires: now.Add(idem.DefaultLease)}
 	if _, err := s.Acquire(ctx, p); err != nil {
 		b.Fatal(err)
 	}

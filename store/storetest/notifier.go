@@ -183,7 +183,7 @@ func testNotifierWakesAwaitOnOtherEngine(t *testing.T, store idem.Store, newNoti
 	if err != nil {
 		t.Fatal(err)
 	}
-	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a")}
+	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a")}
 	out, err := first.Begin(ctx, req)
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v, %v; want execute", out.Decision, err)

@@ -111,10 +111,6 @@ type harness struct {
 
 var ctx = context.Background()
 
-func fp(body string) idem.Fingerprint {
-	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
-}
-
 func (h *harness) begin(t *testing.T, scope, key string, f idem.Fingerprint) idem.Outcome {
 	t.Helper()
 	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: scope, Key: key, Fingerprint: f})
@@ -226,7 +222,7 @@ func count(outs []idem.Outcome) map[idem.Decision]int {
 
 func testAcquireCreatesRecord(t *testing.T, h *harness) {
 	now := h.clock.Now()
-	l := h.mustExecute(t, "s", "k1", fp("a"))
+	l := h.mustExecute(t, "s", "k1", Fingerprint("a"))
 	if len(l.Token) != 32 {
 		t.Errorf("token %q is not 128 bits in hex", l.Token)
 	}
@@ -234,7 +230,7 @@ func testAcquireCreatesRecord(t *testing.T, h *harness) {
 		t.Errorf("lease = %+v, want fence 1 expiring at %v", l, now.Add(lease))
 	}
 	r := h.get(t, "s", "k1")
-	if r.Scope != "s" || r.Key != "k1" || r.State != idem.StateInProgress || r.Fingerprint != fp("a") ||
+	if r.Scope != "s" || r.Key != "k1" || r.State != idem.StateInProgress || r.Fingerprint != Fingerprint("a") ||
 		r.Token != l.Token || r.Fence != 1 || !r.LeaseExpires.Equal(l.Expires) || r.TakeoverSafe ||
 		r.Response != nil || !r.Created.Equal(now) || !r.Updated.Equal(now) || !r.Expires.IsZero() {
 		t.Errorf("stored record = %+v", r)
@@ -243,7 +239,7 @@ func testAcquireCreatesRecord(t *testing.T, h *harness) {
 
 func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	outs := race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("a")})
 	})
 	c := count(outs)
 	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
@@ -261,7 +257,7 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	h.complete(t, winner, resp)
 
 	for _, o := range race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("a")})
 	}) {
 		if o.Decision != idem.Replay {
 			t.Fatalf("after completion: decision %v, want replay", o.Decision)
@@ -269,7 +265,7 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 		sameResponse(t, o.Record.Response, resp)
 	}
 	for _, o := range race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: fp("b")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("b")})
 	}) {
 		if o.Decision != idem.Mismatch || !reflect.DeepEqual(o.Diff, []string{"body"}) {
 			t.Fatalf("other payload: decision %v diff %v, want mismatch in body", o.Decision, o.Diff)
@@ -278,13 +274,13 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 }
 
 func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
-	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: fp("a"), TakeoverSafe: true})
+	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
 	if err != nil || first.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v, %v", first.Decision, err)
 	}
 	h.clock.Advance(lease + time.Millisecond)
 	outs := race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: fp("a"), TakeoverSafe: true})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
 	})
 	c := count(outs)
 	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
@@ -298,10 +294,10 @@ func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
 }
 
 func testConcurrentExpiryNeverExecutes(t *testing.T, h *harness) {
-	h.mustExecute(t, "s", "crash", fp("a"))
+	h.mustExecute(t, "s", "crash", Fingerprint("a"))
 	h.clock.Advance(lease)
 	c := count(race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "crash", Fingerprint: fp("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "crash", Fingerprint: Fingerprint("a")})
 	}))
 	if c[idem.Uncertain] != Racers {
 		t.Fatalf("decisions after an expired lease = %v, want all %d uncertain", c, Racers)
@@ -317,7 +313,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 			defer wg.Done()
 			key := fmt.Sprintf("key-%d", i)
 			body := fmt.Sprintf(`{"n":%d}`, i)
-			out, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: fp(body)})
+			out, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: Fingerprint(body)})
 			if err != nil || out.Decision != idem.Execute {
 				errs <- fmt.Errorf("%s: Begin = %v, %v", key, out.Decision, err)
 				return
@@ -326,7 +322,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 				errs <- fmt.Errorf("%s: Complete: %v", key, err)
 				return
 			}
-			again, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: fp(body)})
+			again, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: Fingerprint(body)})
 			if err != nil || again.Decision != idem.Replay || string(again.Record.Response.Body) != body {
 				errs <- fmt.Errorf("%s: replay = %v, %v", key, again.Decision, err)
 			}
@@ -340,7 +336,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 }
 
 func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	forged := l
 	forged.Token = strings.Repeat("0", 32)
 	_, err := h.eng.Renew(ctx, forged)
@@ -368,7 +364,7 @@ func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
 
 func testRenewExtendsLease(t *testing.T, h *harness) {
 	t0 := h.clock.Now()
-	l := h.mustExecute(t, "s", "k", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	h.clock.Advance(20 * time.Second)
 	l, err := h.eng.Renew(ctx, l)
 	if err != nil {
@@ -381,7 +377,7 @@ func testRenewExtendsLease(t *testing.T, h *harness) {
 		t.Fatalf("stored lease expires %v, want %v", r.LeaseExpires, l.Expires)
 	}
 	h.clock.Advance(20 * time.Second) // past the first lease, inside the renewed one
-	out := h.expect(t, "s", "k", fp("a"), idem.InFlight)
+	out := h.expect(t, "s", "k", Fingerprint("a"), idem.InFlight)
 	if out.RetryAfter != 10*time.Second {
 		t.Fatalf("RetryAfter = %v, want 10s", out.RetryAfter)
 	}
@@ -391,14 +387,14 @@ func testRenewExtendsLease(t *testing.T, h *harness) {
 }
 
 func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", fp("a"))
-	h.mustExecute(t, "s", "other", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	h.mustExecute(t, "s", "other", Fingerprint("a"))
 	h.clock.Advance(lease)
-	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
 	if r := h.get(t, "s", "k"); r.State != idem.StateUnknown || r.Token != l.Token {
 		t.Fatalf("record after expiry = %+v, want unknown under the old token", r)
 	}
-	out := h.expect(t, "s", "other", fp("b"), idem.Mismatch)
+	out := h.expect(t, "s", "other", Fingerprint("b"), idem.Mismatch)
 	if r := h.get(t, "s", "other"); r.State != idem.StateUnknown || out.Record.State != idem.StateUnknown {
 		t.Fatalf("expired record seen with another payload is %v, want unknown", r.State)
 	}
@@ -408,7 +404,7 @@ func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
 	// The owner's late outcome settles the unknown record.
 	resp := okResponse("late but true")
 	h.complete(t, l, resp)
-	sameResponse(t, h.expect(t, "s", "k", fp("a"), idem.Replay).Record.Response, resp)
+	sameResponse(t, h.expect(t, "s", "k", Fingerprint("a"), idem.Replay).Record.Response, resp)
 }
 
 func testTakeoverWhenDeclared(t *testing.T, h *harness) {
@@ -420,18 +416,18 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 		}
 		return out
 	}
-	old := begin(fp("a"))
+	old := begin(Fingerprint("a"))
 	if old.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v", old.Decision)
 	}
-	if d := begin(fp("a")).Decision; d != idem.InFlight {
+	if d := begin(Fingerprint("a")).Decision; d != idem.InFlight {
 		t.Fatalf("Begin while the lease runs = %v, want in flight", d)
 	}
 	h.clock.Advance(lease)
-	if out := begin(fp("b")); out.Decision != idem.Mismatch || out.Record.State != idem.StateInProgress {
+	if out := begin(Fingerprint("b")); out.Decision != idem.Mismatch || out.Record.State != idem.StateInProgress {
 		t.Fatalf("other payload after expiry = %v in %v, want mismatch on an in-progress record", out.Decision, out.Record.State)
 	}
-	now := begin(fp("a"))
+	now := begin(Fingerprint("a"))
 	if now.Decision != idem.Execute || now.Lease.Fence != 2 || now.Lease.Token == old.Lease.Token {
 		t.Fatalf("takeover = %v %+v, want execute with fence 2 and a new token", now.Decision, now.Lease)
 	}
@@ -441,7 +437,7 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 	wantErr(t, "old owner's Release", h.eng.Release(ctx, old.Lease), idem.ErrLeaseLost)
 	resp := okResponse("fresh")
 	h.complete(t, now.Lease, resp)
-	out := begin(fp("a"))
+	out := begin(Fingerprint("a"))
 	if out.Decision != idem.Replay || out.Record.Fence != 2 {
 		t.Fatalf("after takeover completed: %v fence %d", out.Decision, out.Record.Fence)
 	}
@@ -474,7 +470,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 	}
 	for i, resp := range cases {
 		key := fmt.Sprintf("replay-%d", i)
-		l := h.mustExecute(t, "s", key, fp(key))
+		l := h.mustExecute(t, "s", key, Fingerprint(key))
 		h.complete(t, l, resp)
 		want := resp
 		if len(resp.Body) > limit {
@@ -482,7 +478,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 		}
 		r := h.get(t, "s", key)
 		sameResponse(t, r.Response, want)
-		out := h.expect(t, "s", key, fp(key), idem.Replay)
+		out := h.expect(t, "s", key, Fingerprint(key), idem.Replay)
 		sameResponse(t, out.Record.Response, want)
 		if !out.Record.Expires.Equal(h.clock.Now().Add(retention)) {
 			t.Fatalf("expires = %v, want now + retention", out.Record.Expires)
@@ -491,14 +487,14 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 }
 
 func testReleaseFreesKey(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	if err := h.eng.Release(ctx, l); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	if r := h.get(t, "s", "k"); r.State != idem.StateFailed || r.Response != nil || r.Expires.IsZero() {
 		t.Fatalf("released record = %+v, want failed with an expiry", r)
 	}
-	again := h.mustExecute(t, "s", "k", fp("a"))
+	again := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	if again.Fence != 2 || again.Token == l.Token {
 		t.Fatalf("re-run lease = %+v, want fence 2 and a new token", again)
 	}
@@ -507,23 +503,23 @@ func testReleaseFreesKey(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 	// A released key binds no payload: nothing happened under it.
-	third := h.mustExecute(t, "s", "k", fp("other"))
+	third := h.mustExecute(t, "s", "k", Fingerprint("other"))
 	if third.Fence != 3 {
 		t.Fatalf("third lease fence = %d, want 3", third.Fence)
 	}
-	if r := h.get(t, "s", "k"); r.Fingerprint != fp("other") || !r.Expires.IsZero() {
+	if r := h.get(t, "s", "k"); r.Fingerprint != Fingerprint("other") || !r.Expires.IsZero() {
 		t.Fatalf("re-acquired record = %+v", r)
 	}
 }
 
 func testMarkUnknown(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	if err := h.eng.MarkUnknown(ctx, l); err != nil {
 		t.Fatalf("MarkUnknown: %v", err)
 	}
-	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
 	h.clock.Advance(48 * time.Hour) // unsettled records never expire
-	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
 	res, err := h.eng.Scan(ctx, 0, "")
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "k" || res.Records[0].State != idem.StateUnknown {
 		t.Fatalf("Scan = %+v, %v; want the unknown record", res, err)
@@ -531,29 +527,29 @@ func testMarkUnknown(t *testing.T, h *harness) {
 	if err := h.eng.Release(ctx, l); err != nil {
 		t.Fatalf("owner's late Release of its unknown record: %v", err)
 	}
-	h.mustExecute(t, "s", "k", fp("a"))
+	h.mustExecute(t, "s", "k", Fingerprint("a"))
 }
 
 func testRetentionExpiresOutcome(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "done", fp("a"))
+	l := h.mustExecute(t, "s", "done", Fingerprint("a"))
 	h.complete(t, l, okResponse("x"))
-	f := h.mustExecute(t, "s", "failed", fp("a"))
+	f := h.mustExecute(t, "s", "failed", Fingerprint("a"))
 	if err := h.eng.Release(ctx, f); err != nil {
 		t.Fatal(err)
 	}
 	h.clock.Advance(retention - time.Millisecond)
-	h.expect(t, "s", "done", fp("a"), idem.Replay)
+	h.expect(t, "s", "done", Fingerprint("a"), idem.Replay)
 	h.get(t, "s", "failed")
 	h.clock.Advance(time.Millisecond)
 	for _, key := range []string{"done", "failed"} {
 		_, err := h.eng.Get(ctx, "s", key)
 		wantErr(t, "Get of an expired record", err, idem.ErrNotFound)
-		if l := h.mustExecute(t, "s", key, fp("b")); l.Fence != 1 {
+		if l := h.mustExecute(t, "s", key, Fingerprint("b")); l.Fence != 1 {
 			t.Fatalf("expired key %q: new lease fence = %d, want 1", key, l.Fence)
 		}
 	}
 	// Per-request retention overrides the engine's.
-	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "short", Fingerprint: fp("a"), Retention: time.Minute})
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "short", Fingerprint: Fingerprint("a"), Retention: time.Minute})
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatalf("Begin with retention: %v, %v", out.Decision, err)
 	}
@@ -565,20 +561,20 @@ func testRetentionExpiresOutcome(t *testing.T, h *harness) {
 
 func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 	for i := range 5 {
-		l := h.mustExecute(t, "s", fmt.Sprintf("old-%d", i), fp("a"))
+		l := h.mustExecute(t, "s", fmt.Sprintf("old-%d", i), Fingerprint("a"))
 		if i < 3 {
 			h.complete(t, l, okResponse("x"))
 		} else if err := h.eng.Release(ctx, l); err != nil {
 			t.Fatal(err)
 		}
 	}
-	h.mustExecute(t, "s", "running", fp("a"))
-	u := h.mustExecute(t, "s", "unknown", fp("a"))
+	h.mustExecute(t, "s", "running", Fingerprint("a"))
+	u := h.mustExecute(t, "s", "unknown", Fingerprint("a"))
 	if err := h.eng.MarkUnknown(ctx, u); err != nil {
 		t.Fatal(err)
 	}
 	h.clock.Advance(retention)
-	live := h.mustExecute(t, "s", "live", fp("a"))
+	live := h.mustExecute(t, "s", "live", Fingerprint("a"))
 	h.complete(t, live, okResponse("x"))
 
 	total := 0
@@ -608,7 +604,7 @@ func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 	if r := h.get(t, "s", "unknown"); r.State != idem.StateUnknown {
 		t.Fatalf("prune touched the unknown record: %+v", r)
 	}
-	h.expect(t, "s", "live", fp("a"), idem.Replay)
+	h.expect(t, "s", "live", Fingerprint("a"), idem.Replay)
 	if n, err := h.eng.Prune(ctx); err != nil || n != 0 {
 		t.Fatalf("second Prune = %d, %v; want nothing left to delete", n, err)
 	}
@@ -618,21 +614,21 @@ func testScanFindsStaleRecords(t *testing.T, h *harness) {
 	want := map[string]bool{}
 	for i := range 15 { // leases that will run out
 		key := fmt.Sprintf("expired-%02d", i)
-		h.mustExecute(t, fmt.Sprintf("scope-%d", i%3), key, fp("a"))
+		h.mustExecute(t, fmt.Sprintf("scope-%d", i%3), key, Fingerprint("a"))
 		want[key] = true
 	}
 	for i := range 10 { // declared unknown
 		key := fmt.Sprintf("unknown-%02d", i)
-		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", key, fp("a"))); err != nil {
+		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", key, Fingerprint("a"))); err != nil {
 			t.Fatal(err)
 		}
 		want[key] = true
 	}
 	h.clock.Advance(lease)
 	for i := range 5 { // still running, settled, released: not stale
-		h.mustExecute(t, "s", fmt.Sprintf("running-%d", i), fp("a"))
-		h.complete(t, h.mustExecute(t, "s", fmt.Sprintf("done-%d", i), fp("a")), okResponse("x"))
-		if err := h.eng.Release(ctx, h.mustExecute(t, "s", fmt.Sprintf("failed-%d", i), fp("a"))); err != nil {
+		h.mustExecute(t, "s", fmt.Sprintf("running-%d", i), Fingerprint("a"))
+		h.complete(t, h.mustExecute(t, "s", fmt.Sprintf("done-%d", i), Fingerprint("a")), okResponse("x"))
+		if err := h.eng.Release(ctx, h.mustExecute(t, "s", fmt.Sprintf("failed-%d", i), Fingerprint("a"))); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -671,22 +667,22 @@ func testScanFindsStaleRecords(t *testing.T, h *harness) {
 }
 
 func testScopesIsolateKeys(t *testing.T, h *harness) {
-	a := h.mustExecute(t, "tenant-a", "shared-key", fp("a"))
-	b := h.mustExecute(t, "tenant-b", "shared-key", fp("b"))
-	none := h.mustExecute(t, "", "shared-key", fp("c"))
+	a := h.mustExecute(t, "tenant-a", "shared-key", Fingerprint("a"))
+	b := h.mustExecute(t, "tenant-b", "shared-key", Fingerprint("b"))
+	none := h.mustExecute(t, "", "shared-key", Fingerprint("c"))
 	respA, respB := okResponse("for a"), okResponse("for b")
 	h.complete(t, a, respA)
-	h.expect(t, "tenant-b", "shared-key", fp("b"), idem.InFlight)
+	h.expect(t, "tenant-b", "shared-key", Fingerprint("b"), idem.InFlight)
 	h.complete(t, b, respB)
-	sameResponse(t, h.expect(t, "tenant-a", "shared-key", fp("a"), idem.Replay).Record.Response, respA)
-	sameResponse(t, h.expect(t, "tenant-b", "shared-key", fp("b"), idem.Replay).Record.Response, respB)
-	h.expect(t, "", "shared-key", fp("c"), idem.InFlight)
+	sameResponse(t, h.expect(t, "tenant-a", "shared-key", Fingerprint("a"), idem.Replay).Record.Response, respA)
+	sameResponse(t, h.expect(t, "tenant-b", "shared-key", Fingerprint("b"), idem.Replay).Record.Response, respB)
+	h.expect(t, "", "shared-key", Fingerprint("c"), idem.InFlight)
 	if err := h.eng.Release(ctx, none); err != nil {
 		t.Fatal(err)
 	}
 	// Scope and key are not concatenated: ("a:b", "c") is not ("a", "b:c").
-	h.mustExecute(t, "a:b", "c", fp("a"))
-	h.mustExecute(t, "a", "b:c", fp("a"))
+	h.mustExecute(t, "a:b", "c", Fingerprint("a"))
+	h.mustExecute(t, "a", "b:c", Fingerprint("a"))
 }
 
 func testKeysStoredAsSent(t *testing.T, h *harness) {
@@ -703,7 +699,7 @@ func testKeysStoredAsSent(t *testing.T, h *harness) {
 	}
 	scope := strings.Repeat("s", idem.MaxScopeLen)
 	for _, key := range keys {
-		l := h.mustExecute(t, scope, key, fp("a"))
+		l := h.mustExecute(t, scope, key, Fingerprint("a"))
 		h.complete(t, l, okResponse(key))
 		r := h.get(t, scope, key)
 		if r.Key != key || r.Scope != scope || string(r.Response.Body) != key {
@@ -719,22 +715,22 @@ func testInvalidInput(t *testing.T, h *harness) {
 	now := h.clock.Now()
 	tok := strings.Repeat("a", 32)
 	for name, p := range map[string]idem.BeginParams{
-		"empty key":          {Key: "", Fingerprint: fp("a")},
-		"key over 255 bytes": {Key: strings.Repeat("k", idem.MaxKeyLen+1), Fingerprint: fp("a")},
-		"key with newline":   {Key: "a\nb", Fingerprint: fp("a")},
-		"key not ASCII":      {Key: "clé", Fingerprint: fp("a")},
-		"scope over 255":     {Scope: strings.Repeat("s", idem.MaxScopeLen+1), Key: "k", Fingerprint: fp("a")},
-		"scope with NUL":     {Scope: "a\x00b", Key: "k", Fingerprint: fp("a")},
+		"empty key":          {Key: "", Fingerprint: Fingerprint("a")},
+		"key over 255 bytes": {Key: strings.Repeat("k", idem.MaxKeyLen+1), Fingerprint: Fingerprint("a")},
+		"key with newline":   {Key: "a\nb", Fingerprint: Fingerprint("a")},
+		"key not ASCII":      {Key: "clé", Fingerprint: Fingerprint("a")},
+		"scope over 255":     {Scope: strings.Repeat("s", idem.MaxScopeLen+1), Key: "k", Fingerprint: Fingerprint("a")},
+		"scope with NUL":     {Scope: "a\x00b", Key: "k", Fingerprint: Fingerprint("a")},
 		"no fingerprint":     {Key: "k"},
-		"negative lease":     {Key: "k", Fingerprint: fp("a"), Lease: -time.Second},
+		"negative lease":     {Key: "k", Fingerprint: Fingerprint("a"), Lease: -time.Second},
 	} {
 		_, err := h.eng.Begin(ctx, p)
 		wantErr(t, "Begin with "+name, err, idem.ErrInvalid)
 	}
 	store := map[string]error{}
-	_, store["Acquire without token"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Now: now, LeaseExpires: now.Add(lease)})
-	_, store["Acquire with a lease already over"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, Now: now, LeaseExpires: now})
-	_, store["Acquire without a time"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tok, LeaseExpires: now.Add(lease)})
+	_, store["Acquire without token"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Now: now, LeaseExpires: now.Add(lease)})
+	_, store["Acquire with a lease already over"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now})
+	_, store["Acquire without a time"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, LeaseExpires: now.Add(lease)})
 	store["Renew without token"] = h.store.Renew(ctx, idem.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
 	store["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
 	store["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
@@ -749,7 +745,7 @@ func testInvalidInput(t *testing.T, h *harness) {
 	for name, err := range store {
 		wantErr(t, name, err, idem.ErrInvalid)
 	}
-	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", fp("a")), nil); !errors.Is(err, idem.ErrInvalid) {
+	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", Fingerprint("a")), nil); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("Complete with a nil response: %v, want ErrInvalid", err)
 	}
 	if _, err := h.eng.Get(ctx, "", "k"); err != nil {
@@ -773,14 +769,14 @@ func testMissingRecord(t *testing.T, h *harness) {
 func testCanceledContext(t *testing.T, h *harness) {
 	canceled, cancel := context.WithCancel(ctx)
 	cancel()
-	_, err := h.eng.Begin(canceled, idem.BeginParams{Key: "k", Fingerprint: fp("a")})
+	_, err := h.eng.Begin(canceled, idem.BeginParams{Key: "k", Fingerprint: Fingerprint("a")})
 	wantErr(t, "Begin with a canceled context", err, context.Canceled)
 	_, err = h.eng.Get(ctx, "", "k")
 	wantErr(t, "Get after a canceled Begin", err, idem.ErrNotFound)
 }
 
 func testCheckpointsRecorded(t *testing.T, h *harness) {
-	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a"), TakeoverSafe: true})
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatal(out.Decision, err)
 	}
@@ -819,14 +815,14 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 	}
 	h.complete(t, l, okResponse("charged"))
 	sameCheckpoints("after completion", h.get(t, "s", "k").Checkpoints)
-	sameCheckpoints("on the replayed record", h.expect(t, "s", "k", fp("a"), idem.Replay).Record.Checkpoints)
+	sameCheckpoints("on the replayed record", h.expect(t, "s", "k", Fingerprint("a"), idem.Replay).Record.Checkpoints)
 	h.clock.Advance(retention) // expired: the key starts over, with no checkpoints
-	if out := h.begin(t, "s", "k", fp("a")); out.Decision != idem.Execute || len(out.Record.Checkpoints) != 0 || len(h.get(t, "s", "k").Checkpoints) != 0 {
+	if out := h.begin(t, "s", "k", Fingerprint("a")); out.Decision != idem.Execute || len(out.Record.Checkpoints) != 0 || len(h.get(t, "s", "k").Checkpoints) != 0 {
 		t.Fatalf("re-created over an expired record: %v with %d checkpoints", out.Decision, len(out.Record.Checkpoints))
 	}
 
 	// Unsettled records reach the reconciler with their checkpoints.
-	u := h.mustExecute(t, "s", "u", fp("a"))
+	u := h.mustExecute(t, "s", "u", Fingerprint("a"))
 	if err := h.eng.Checkpoint(ctx, u, "authorize", []byte("x")); err != nil {
 		t.Fatal(err)
 	}
@@ -846,14 +842,14 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 	}
 
 	// A re-run after a release starts with no checkpoints.
-	f := h.mustExecute(t, "s", "f", fp("a"))
+	f := h.mustExecute(t, "s", "f", Fingerprint("a"))
 	if err := h.eng.Checkpoint(ctx, f, "authorize", nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.eng.Release(ctx, f); err != nil {
 		t.Fatal(err)
 	}
-	h.mustExecute(t, "s", "f", fp("a"))
+	h.mustExecute(t, "s", "f", Fingerprint("a"))
 	if cps := h.get(t, "s", "f").Checkpoints; len(cps) != 0 {
 		t.Fatalf("re-run record kept %d checkpoints", len(cps))
 	}
@@ -862,7 +858,7 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 func testCheckpointEndsTakeover(t *testing.T, h *harness) {
 	begin := func() idem.Outcome {
 		t.Helper()
-		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: fp("a"), TakeoverSafe: true})
+		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -883,7 +879,7 @@ func testCheckpointEndsTakeover(t *testing.T, h *harness) {
 }
 
 func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", fp("a"))
+	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
 	forged := l
 	forged.Token = strings.Repeat("0", 32)
 	wantErr(t, "Checkpoint with a forged token", h.eng.Checkpoint(ctx, forged, "x", nil), idem.ErrLeaseLost)
@@ -906,7 +902,7 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	}
 	h.clock.Advance(lease) // exactly at expiry: too late
 	wantErr(t, "Checkpoint at expiry", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
-	h.expect(t, "s", "k", fp("a"), idem.Uncertain)
+	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
 	wantErr(t, "Checkpoint of an unknown record", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
 	h.complete(t, l, okResponse("late"))
 	wantErr(t, "Checkpoint after completion", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
