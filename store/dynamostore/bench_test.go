@@ -32,17 +32,6 @@ func newBench(b *testing.B) bench {
 	return bench{store: s, counter: c}
 }
 
-// loop runs op under b.Loop and reports round trips per op and ops/s.
-func (x bench) loop(b *testing.B, op func(i int)) {
-	start, ops := x.counter.n.Load(), 0
-	for b.Loop() {
-		op(ops)
-		ops++
-	}
-	b.ReportMetric(float64(x.counter.n.Load()-start)/float64(ops), "roundtrips/op")
-	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
-}
-
 func newToken(b *testing.B) string {
 	t, err := idem.NewToken()
 	if err != nil {
@@ -100,7 +89,7 @@ func BenchmarkRawPutUpdate(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	x.loop(b, func(i int) {
+	storetest.Measure(b, x.counter.n.Load, func(i int) {
 		now, tok := time.Now(), newToken(b)
 		pk := "1:s:key-" + strconv.Itoa(i)
 		if _, err := client.PutItem(ctx, &dynamodb.PutItemInput{
@@ -137,7 +126,7 @@ func BenchmarkRawGet(b *testing.B) {
 		Item: map[string]types.AttributeValue{"pk": avS("1:s:key"), "state": avS("completed"), "resp": avB(resp)}}); err != nil {
 		b.Fatal(err)
 	}
-	x.loop(b, func(int) {
+	storetest.Measure(b, x.counter.n.Load, func(int) {
 		out, err := client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &table, Key: keyOf("1:s:key"), ConsistentRead: aws.Bool(true)})
 		if err != nil || out.Item == nil {
 			b.Fatalf("GetItem = %v, %v", out, err)

@@ -14,10 +14,6 @@ import (
 // the latency of an operation, round trips included. Each reports its round
 // trips per operation as its connections counted them.
 
-func reportRoundTrips(b *testing.B, cnt *counter, before int64) {
-	b.ReportMetric(float64(cnt.n.Load()-before)/float64(b.N), "roundtrips/op")
-}
-
 // warmUp creates the index of every shard, so that the first acquire of a
 // shard does not pay for creating it, and opens the client's connection.
 func warmUp(b *testing.B, s *Store) {
@@ -57,25 +53,23 @@ func BenchmarkRawAddSet(b *testing.B) {
 		b.Fatal(err)
 	}
 	base := s.prefix + ":raw:"
-	i := 0
+	written := 0
 	b.Cleanup(func() {
-		for j := range i {
+		for j := range written {
 			_ = client.Delete(base + strconv.Itoa(j))
 		}
 	})
 	exp := int32(idem.DefaultRetention / time.Second)
-	before := cnt.n.Load()
-	for b.Loop() {
+	storetest.Measure(b, cnt.n.Load, func(i int) {
 		key := base + strconv.Itoa(i)
-		i++
+		written = i + 1
 		if err := client.Add(&memcache.Item{Key: key, Value: []byte("in_progress")}); err != nil {
 			b.Fatalf("add: %v", err)
 		}
 		if err := client.Set(&memcache.Item{Key: key, Value: value, Expiration: exp}); err != nil {
 			b.Fatalf("set: %v", err)
 		}
-	}
-	reportRoundTrips(b, cnt, before)
+	})
 }
 
 // BenchmarkRawGet: a bare get of a stored outcome.
@@ -91,12 +85,10 @@ func BenchmarkRawGet(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { _ = client.Delete(key) })
-	before := cnt.n.Load()
-	for b.Loop() {
+	storetest.Measure(b, cnt.n.Load, func(int) {
 		it, err := client.Get(key)
 		if err != nil || len(it.Value) != len(value) {
 			b.Fatalf("get: %v", err)
 		}
-	}
-	reportRoundTrips(b, cnt, before)
+	})
 }

@@ -35,18 +35,6 @@ func newBench(b *testing.B) bench {
 	return bench{store: s, schema: schema, pool: pool, counter: counter}
 }
 
-// loop runs op under b.Loop and reports round trips (queries sent) per op
-// and ops/s.
-func (x bench) loop(b *testing.B, op func(i int)) {
-	start, ops := x.counter.n.Load(), 0
-	for b.Loop() {
-		op(ops)
-		ops++
-	}
-	b.ReportMetric(float64(x.counter.n.Load()-start)/float64(ops), "roundtrips/op")
-	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
-}
-
 func token(b *testing.B) string {
 	t, err := idem.NewToken()
 	if err != nil {
@@ -93,7 +81,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 		b.Fatal(err)
 	}
 	f, now := string(fp("a")), time.Now()
-	x.loop(b, func(i int) {
+	storetest.Measure(b, x.counter.n.Load, func(i int) {
 		key := fmt.Sprintf("key-%08d", i)
 		if _, err := x.pool.Exec(ctx, insert, "tenant", key, f, token(b), now.Add(30*time.Second), now); err != nil {
 			b.Fatal(err)
@@ -118,7 +106,7 @@ func BenchmarkRawSelect(b *testing.B) {
 	}
 	query := `SELECT scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints
 		FROM ` + name + ` WHERE scope = $1 AND key = $2`
-	x.loop(b, func(int) {
+	storetest.Measure(b, x.counter.n.Load, func(int) {
 		var (
 			scope, key, state, fingerprint, tok string
 			fence                               int64

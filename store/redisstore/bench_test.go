@@ -13,10 +13,6 @@ import (
 // the latency of an operation, round trips included. Each reports its round
 // trips per operation as counted by a client hook.
 
-func reportRoundTrips(b *testing.B, hook *countingHook, before int64) {
-	b.ReportMetric(float64(hook.n.Load()-before)/float64(b.N), "roundtrips/op")
-}
-
 // BenchmarkAcquireComplete: Acquire of a fresh key, then Finish as
 // COMPLETED — what a request that runs costs.
 func BenchmarkAcquireComplete(b *testing.B) {
@@ -47,19 +43,15 @@ func BenchmarkRawSetNXSet(b *testing.B) {
 		b.Fatal(err)
 	}
 	base := s.tags[0] + ":raw:"
-	before := hook.n.Load()
-	i := 0
-	for b.Loop() {
+	storetest.Measure(b, hook.n.Load, func(i int) {
 		key := base + strconv.Itoa(i)
-		i++
 		if ok, err := client.SetNX(ctx, key, "in_progress", idem.DefaultLease).Result(); err != nil || !ok {
 			b.Fatalf("SET NX = %v, %v", ok, err)
 		}
 		if ok, err := client.SetXX(ctx, key, value, idem.DefaultRetention).Result(); err != nil || !ok {
 			b.Fatalf("SET XX = %v, %v", ok, err)
 		}
-	}
-	reportRoundTrips(b, hook, before)
+	})
 }
 
 // BenchmarkRawGet: a bare GET of a stored outcome.
@@ -76,11 +68,9 @@ func BenchmarkRawGet(b *testing.B) {
 	if err := client.Set(ctx, key, value, idem.DefaultRetention).Err(); err != nil {
 		b.Fatal(err)
 	}
-	before := hook.n.Load()
-	for b.Loop() {
+	storetest.Measure(b, hook.n.Load, func(int) {
 		if v, err := client.Get(ctx, key).Bytes(); err != nil || len(v) != len(value) {
 			b.Fatalf("GET = %d bytes, %v", len(v), err)
 		}
-	}
-	reportRoundTrips(b, hook, before)
+	})
 }

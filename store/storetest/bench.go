@@ -20,7 +20,7 @@ var BenchResponse = &idem.Response{Status: 201, Header: http.Header{"Content-Typ
 // the benchmark reports roundtrips/op. It also reports ops/s.
 func BenchAcquireComplete(b *testing.B, s idem.Store, roundTrips func() int64) {
 	f := Fingerprint("bench")
-	measure(b, roundTrips, func(i int) {
+	Measure(b, roundTrips, func(i int) {
 		now, key, tok := time.Now(), "key-"+strconv.Itoa(i), token(b)
 		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
 			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
@@ -46,7 +46,7 @@ func BenchReplay(b *testing.B, s idem.Store, roundTrips func() int64) {
 		State: idem.StateCompleted, Response: BenchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
 		b.Fatal(err)
 	}
-	measure(b, roundTrips, func(int) {
+	Measure(b, roundTrips, func(int) {
 		p.Token, p.Now = token(b), time.Now()
 		p.LeaseExpires = p.Now.Add(idem.DefaultLease)
 		r, err := s.Acquire(ctx, p)
@@ -56,9 +56,11 @@ func BenchReplay(b *testing.B, s idem.Store, roundTrips func() int64) {
 	})
 }
 
-// measure runs op under b.Loop and reports ops/s and, when it can, round
-// trips per op.
-func measure(b *testing.B, roundTrips func() int64, op func(i int)) {
+// Measure runs op under b.Loop, with the number of the iteration, and
+// reports ops/s and, when roundTrips is not nil, round trips per op (as
+// roundTrips counts them). Stores' benchmarks of their bare driver
+// operations use it, so that they report as the idem ones do.
+func Measure(b *testing.B, roundTrips func() int64, op func(i int)) {
 	var start int64
 	if roundTrips != nil {
 		start = roundTrips()
