@@ -19,6 +19,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -273,12 +274,18 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 	transport := http.DefaultTransport.(*http.Transport).Clone()
 	transport.ResponseHeaderTimeout = timeout
 	transport.MaxIdleConnsPerHost = 256
+	// HTTP/1.1 only: its transport's resend rules are the ones neverResent
+	// defeats (HTTP/2's transport resends a bodyless request on a stream
+	// error of its own).
+	transport.Protocols = new(http.Protocols)
+	transport.Protocols.SetHTTP1(true)
 	return &httputil.ReverseProxy{
 		Transport: transport,
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
 			pr.SetXForwarded()
 			pr.Out.Host = pr.In.Host
+			neverResent(pr.Out)
 			var sent atomic.Bool
 			ctx := context.WithValue(pr.Out.Context(), sentKey{}, &sent)
 			ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
@@ -304,6 +311,38 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 		},
 	}
 }
+
+// neverResent makes sure net/http's transport never sends out a second
+// time by itself. It resends a request whose reused connection broke before
+// the answer came, when it takes the request to be replayable: a safe method
+// or an Idempotency-Key (or X-Idempotency-Key) header, without a body or
+// with GetBody. The upstream may well have run it, and the second run would
+// go unseen by the middleware: a double execution. So the key headers travel
+// under a lower-case name (the same field on the wire: HTTP field names are
+// case-insensitive, but the transport's check is not), and a bodyless
+// request gets an empty body that is not http.NoBody (the transport probes
+// it for GET, HEAD, DELETE and OPTIONS and sends no body at all).
+func neverResent(out *http.Request) {
+	for _, name := range []string{"Idempotency-Key", "X-Idempotency-Key"} {
+		if v, ok := out.Header[name]; ok {
+			delete(out.Header, name)
+			out.Header[strings.ToLower(name)] = v
+		}
+	}
+	switch out.Method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		if out.Body == nil || out.Body == http.NoBody {
+			out.Body, out.ContentLength, out.GetBody = emptyBody{}, 0, nil
+		}
+	}
+}
+
+// emptyBody is a request body with nothing in it that the transport does not
+// recognise as none.
+type emptyBody struct{}
+
+func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
+func (emptyBody) Close() error             { return nil }
 
 func isTimeout(err error) bool {
 	var ne net.Error

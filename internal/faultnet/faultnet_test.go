@@ -1,0 +1,139 @@
+package faultnet_test
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/wait"
+)
+
+// echoServer answers every line with the same line and counts the lines it got.
+func echoServer(t *testing.T) (string, <-chan string) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	got := make(chan string, 100)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					got <- line
+					c.Write([]byte(line))
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), got
+}
+
+func proxy(t *testing.T, target string) *faultnet.Proxy {
+	p, err := faultnet.Listen(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func roundTrip(c net.Conn, line string) (string, error) {
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte(line)); err != nil {
+		return "", err
+	}
+	return bufio.NewReader(c).ReadString('\n')
+}
+
+func TestDropNextReplyLosesOnlyTheReply(t *testing.T) {
+	target, got := echoServer(t)
+	p := proxy(t, target)
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if reply, err := roundTrip(c, "one\n"); err != nil || reply != "one\n" {
+		t.Fatalf("first exchange: %q, %v", reply, err)
+	}
+	wait.Recv(t, got, 5*time.Second, "the server to get the first line")
+	p.DropNextReply()
+	if reply, err := roundTrip(c, "two\n"); !errors.Is(err, io.EOF) {
+		t.Fatalf("after DropNextReply got %q, %v; want EOF", reply, err)
+	}
+	if line := wait.Recv(t, got, 5*time.Second, "the server to get the line whose reply was lost"); line != "two\n" {
+		t.Fatalf("server got %q", line)
+	}
+	if s := p.Stats(); s.RepliesDropped != 1 || s.Cut != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestOutageRefusesThenRecovers(t *testing.T) {
+	target, _ := echoServer(t)
+	p := proxy(t, target)
+	open, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer open.Close()
+	if _, err := roundTrip(open, "x\n"); err != nil {
+		t.Fatal(err)
+	}
+	end := p.Outage()
+	if _, err := roundTrip(open, "y\n"); err == nil {
+		t.Fatal("an open connection survived the outage")
+	}
+	if c, err := net.Dial("tcp", p.Addr()); err == nil {
+		_, err = roundTrip(c, "z\n")
+		c.Close()
+		if err == nil {
+			t.Fatal("a new connection got through during the outage")
+		}
+	}
+	end()
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if reply, err := roundTrip(c, "back\n"); err != nil || reply != "back\n" {
+		t.Fatalf("after the outage: %q, %v", reply, err)
+	}
+}
+
+func TestPauseHoldsBytesUntilResumed(t *testing.T) {
+	target, got := echoServer(t)
+	p := proxy(t, target)
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	resume := p.Pause()
+	c.Write([]byte("held\n"))
+	select {
+	case line := <-got:
+		t.Fatalf("the server got %q while paused", line)
+	case <-time.After(100 * time.Millisecond):
+	}
+	resume()
+	if line := wait.Recv(t, got, 5*time.Second, "the held line after resume"); line != "held\n" {
+		t.Fatalf("got %q", line)
+	}
+}
