@@ -28,9 +28,11 @@
 package idem
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"time"
 )
 
@@ -99,6 +101,24 @@ type Response struct {
 	// (it was over the size limit, or streamed); a replay must say so rather
 	// than send a wrong or empty body.
 	BodyOmitted bool
+}
+
+// Equal reports whether r and o are the same outcome: status, headers (a
+// nil and an empty header are the same), body and BodyOmitted. Two nil
+// responses are equal.
+func (r *Response) Equal(o *Response) bool {
+	if r == nil || o == nil {
+		return r == o
+	}
+	if r.Status != o.Status || r.BodyOmitted != o.BodyOmitted || !bytes.Equal(r.Body, o.Body) || len(r.Header) != len(o.Header) {
+		return false
+	}
+	for name, values := range r.Header {
+		if !slices.Equal(values, o.Header[name]) {
+			return false
+		}
+	}
+	return true
 }
 
 // Record is what a store keeps under one scope and key.

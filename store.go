@@ -226,8 +226,14 @@ func (p FinishParams) Validate() error {
 // none). It succeeds while r is IN_PROGRESS or UNKNOWN under p.Token, even
 // after the lease ran out: nobody else owns the record then, and the owner's
 // late outcome is exactly what an UNKNOWN record waits for. Once a record is
-// settled or taken over, the token has lost it.
+// settled or taken over, the token has lost it — except to a repeat of the
+// write that settled it: the same token, terminal state and response. A
+// caller whose Finish got no answer sends it again, and must learn that it
+// landed, not that the lease was lost. A repeat changes nothing.
 func (p FinishParams) Apply(r *Record) error {
+	if r != nil && r.Token == p.Token && p.State.Terminal() && r.State == p.State && r.Response.Equal(p.Response) {
+		return nil
+	}
 	if r == nil || r.Token != p.Token || (r.State != StateInProgress && r.State != StateUnknown) {
 		return ErrLeaseLost
 	}

@@ -267,10 +267,17 @@ UPDATE {{table}} SET checkpoints = coalesce(checkpoints, ''::bytea) || $5::bytea
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND lease_expires > $4`
 
 // finishSQL is FinishParams.Apply: a running or unknown record under the
-// token is settled, even past its lease.
+// token is settled, even past its lease. A repeat of the write that settled
+// it (same token, terminal state and response) matches too, and writes
+// nothing: the CASEs keep what is stored.
 const finishSQL = `
-UPDATE {{table}} SET state = $4, response = $5, expires = $6, updated = $7
-WHERE scope = $1 AND key = $2 AND token = $3 AND state IN ('in_progress', 'unknown')`
+UPDATE {{table}} SET
+	response = CASE WHEN state IN ('in_progress', 'unknown') THEN $5 ELSE response END,
+	expires = CASE WHEN state IN ('in_progress', 'unknown') THEN $6 ELSE expires END,
+	updated = CASE WHEN state IN ('in_progress', 'unknown') THEN $7 ELSE updated END,
+	state = $4
+WHERE scope = $1 AND key = $2 AND token = $3 AND (state IN ('in_progress', 'unknown')
+	OR (state = $4 AND $4 IN ('completed', 'failed') AND response IS NOT DISTINCT FROM $5))`
 
 // getSQL returns the live record: unsettled, or settled and not expired.
 const getSQL = `

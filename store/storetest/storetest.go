@@ -43,6 +43,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ConcurrentExpiryNeverExecutes", testConcurrentExpiryNeverExecutes},
 		{"ConcurrentDistinctKeys", testConcurrentDistinctKeys},
 		{"StaleTokenLosesEveryWrite", testStaleTokenLosesEveryWrite},
+		{"FinishRepeatSucceeds", testFinishRepeatSucceeds},
 		{"RenewExtendsLease", testRenewExtendsLease},
 		{"ExpiredLeaseBecomesUnknown", testExpiredLeaseBecomesUnknown},
 		{"TakeoverWhenDeclared", testTakeoverWhenDeclared},
@@ -360,6 +361,69 @@ func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
 		t.Fatalf("state = %v, want completed", r.State)
 	}
 	sameResponse(t, r.Response, resp)
+}
+
+// testFinishRepeatSucceeds: a caller whose Finish got no answer (the reply
+// was lost, the connection died after the commit, the driver timed out)
+// sends the very same Finish again. The repeat must succeed, whether or not
+// the first one landed, rather than report the lease lost; any other outcome
+// under the same token is still refused, so the repeat can never overwrite
+// anything.
+func testFinishRepeatSucceeds(t *testing.T, h *harness) {
+	finish := func(l idem.Lease, state idem.State, resp *idem.Response) idem.FinishParams {
+		p := idem.FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: h.clock.Now(), State: state, Response: resp}
+		if state.Terminal() {
+			p.Expires = p.Now.Add(retention)
+		}
+		return p
+	}
+	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204}}
+	if limit := idem.MaxBody(h.store); limit < 8<<20 {
+		bodies["over the store's limit"] = &idem.Response{Status: 201, Body: bytes.Repeat([]byte("x"), limit+1)}
+	}
+	for name, resp := range bodies {
+		t.Run(name, func(t *testing.T) {
+			l := h.mustExecute(t, "s", "completed "+name, Fingerprint("a"))
+			p := finish(l, idem.StateCompleted, resp)
+			wantErr(t, "Finish", h.store.Finish(ctx, p), nil)
+			h.clock.Advance(time.Second)
+			wantErr(t, "the same Finish again", h.store.Finish(ctx, p), nil)
+			other := *resp
+			other.Status++
+			wantErr(t, "another response under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
+			wantErr(t, "a release under the same token", h.store.Finish(ctx, finish(l, idem.StateFailed, nil)), idem.ErrLeaseLost)
+			wantErr(t, "unknown under the same token", h.store.Finish(ctx, finish(l, idem.StateUnknown, nil)), idem.ErrLeaseLost)
+			r := h.get(t, "s", "completed "+name)
+			if r.State != idem.StateCompleted || r.Token != l.Token {
+				t.Fatalf("record after the repeats = %+v", r)
+			}
+			if r.Response.BodyOmitted != (len(resp.Body) > idem.MaxBody(h.store)) || r.Response.Status != resp.Status {
+				t.Fatalf("response after the repeats: status %d, body omitted %v", r.Response.Status, r.Response.BodyOmitted)
+			}
+		})
+	}
+
+	l := h.mustExecute(t, "s", "released", Fingerprint("a"))
+	p := finish(l, idem.StateFailed, nil)
+	wantErr(t, "Release", h.store.Finish(ctx, p), nil)
+	wantErr(t, "the same release again", h.store.Finish(ctx, p), nil)
+	wantErr(t, "a completion after the release", h.store.Finish(ctx, finish(l, idem.StateCompleted, okResponse("x"))), idem.ErrLeaseLost)
+	if r := h.get(t, "s", "released"); r.State != idem.StateFailed {
+		t.Fatalf("released record after the repeat = %+v", r)
+	}
+	// Once the key runs again under a new lease, the old token's repeat is
+	// refused: it would release the newer owner's work.
+	h.mustExecute(t, "s", "released", Fingerprint("a"))
+	wantErr(t, "the old release once a new owner runs", h.store.Finish(ctx, p), idem.ErrLeaseLost)
+
+	l = h.mustExecute(t, "s", "unknown", Fingerprint("a"))
+	p = finish(l, idem.StateUnknown, nil)
+	wantErr(t, "MarkUnknown", h.store.Finish(ctx, p), nil)
+	wantErr(t, "the same MarkUnknown again", h.store.Finish(ctx, p), nil)
+	done := finish(l, idem.StateCompleted, okResponse("late"))
+	wantErr(t, "the owner's late outcome", h.store.Finish(ctx, done), nil)
+	wantErr(t, "the late outcome again", h.store.Finish(ctx, done), nil)
+	wantErr(t, "MarkUnknown after the late outcome", h.store.Finish(ctx, p), idem.ErrLeaseLost)
 }
 
 func testRenewExtendsLease(t *testing.T, h *harness) {
