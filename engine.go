@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 )
@@ -18,15 +19,22 @@ const (
 	DefaultRetention = 24 * time.Hour
 )
 
-// Clock tells the time. The engine reads it for every store call, so a test
-// can move time by hand.
+// Clock tells the time and keeps timers. The engine reads it for every
+// store call and waits on it wherever a wait is counted against a lease
+// (renewals in [Engine.Hold], polling in [Engine.Await]), so a test can move
+// time by hand and drive those waits without sleeping. Waits against the
+// network (a store call's timeout, the pause between retries) are real time.
 type Clock interface {
 	Now() time.Time
+	// After returns a channel that receives the time once d has passed on
+	// this clock.
+	After(d time.Duration) <-chan time.Time
 }
 
 type systemClock struct{}
 
-func (systemClock) Now() time.Time { return time.Now() }
+func (systemClock) Now() time.Time                         { return time.Now() }
+func (systemClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
 
 // SystemClock is the wall clock.
 var SystemClock Clock = systemClock{}
@@ -52,28 +60,55 @@ type Config struct {
 	// Poll is how often [Engine.Await] looks again when nothing wakes it.
 	// Defaults to [DefaultPoll].
 	Poll time.Duration
+	// StoreTimeout bounds each store call the engine makes for a request,
+	// retries included: past it the store counts as unreachable. Defaults
+	// to [DefaultStoreTimeout].
+	StoreTimeout time.Duration
+	// JournalDir is a directory where outcomes that the store could not take
+	// (it was unreachable when the work finished) wait, each in a file
+	// synced to disk, until the engine stores them; an engine opened on the
+	// directory after a crash stores what it finds there. Several engines,
+	// in several processes, may share one directory. Defaults to "": such
+	// outcomes wait in memory, and a crash of the process loses them (the
+	// record is then left to the reconciler).
+	JournalDir string
+	// Logger receives a line when an outcome has to wait in the journal and
+	// when it lands or cannot. Defaults to slog.Default().
+	Logger *slog.Logger
 }
+
+// DefaultStoreTimeout is how long the engine gives a store call, retries
+// included, before it counts the store as unreachable.
+const DefaultStoreTimeout = 5 * time.Second
 
 // Engine decides, for each request, whether to run it, replay it or refuse
 // it, and writes its outcome. It is safe for concurrent use; several engines
 // in several processes may share one store.
+//
+// An engine whose store was unreachable when work finished keeps that
+// outcome in its journal (see [Config.JournalDir]) and stores it in the
+// background; [Engine.Close] stops that.
 type Engine struct {
-	store     Store
-	clock     Clock
-	lease     time.Duration
-	retention time.Duration
-	poll      time.Duration
-	notifier  Notifier
-	local     localNotifier
+	store        Store
+	clock        Clock
+	lease        time.Duration
+	retention    time.Duration
+	poll         time.Duration
+	storeTimeout time.Duration
+	notifier     Notifier
+	local        localNotifier
+	journal      *journal
+	log          *slog.Logger
 }
 
-// New returns an engine for cfg.
+// New returns an engine for cfg. With a JournalDir, it reads the outcomes a
+// previous engine left there and starts storing them.
 func New(cfg Config) (*Engine, error) {
 	if cfg.Store == nil {
 		return nil, invalid("config has no store")
 	}
 	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention,
-		poll: cfg.Poll, notifier: cfg.Notifier}
+		poll: cfg.Poll, storeTimeout: cfg.StoreTimeout, notifier: cfg.Notifier, log: cfg.Logger}
 	if e.clock == nil {
 		e.clock = SystemClock
 	}
@@ -86,10 +121,71 @@ func New(cfg Config) (*Engine, error) {
 	if e.poll == 0 {
 		e.poll = DefaultPoll
 	}
-	if e.lease < 0 || e.retention < 0 || e.poll < 0 {
-		return nil, invalid("lease and retention must be positive")
+	if e.storeTimeout == 0 {
+		e.storeTimeout = DefaultStoreTimeout
 	}
+	if e.log == nil {
+		e.log = slog.Default()
+	}
+	if e.lease < 0 || e.retention < 0 || e.poll < 0 || e.storeTimeout < 0 {
+		return nil, invalid("lease, retention, poll and store timeout must be positive")
+	}
+	j, err := openJournal(e, cfg.JournalDir)
+	if err != nil {
+		return nil, err
+	}
+	e.journal = j
 	return e, nil
+}
+
+// Close stores what the journal holds, waiting until it is empty or ctx
+// ends, then stops the engine's background work. Outcomes still waiting stay
+// in the JournalDir for the next engine opened on it (without a JournalDir
+// they are lost); the error says how many. The engine must not be used
+// after Close.
+func (e *Engine) Close(ctx context.Context) error {
+	return e.journal.close(ctx)
+}
+
+// Pending reports how many outcomes wait in the journal for the store.
+func (e *Engine) Pending() int { return e.journal.len() }
+
+// storeCtx is the context of one store call made for a request: detached
+// from the caller's cancellation (a client that goes away must not leave a
+// store write half-known), bounded by the store timeout, or by deadline when
+// it is earlier.
+func (e *Engine) storeCtx(ctx context.Context, deadline time.Time) (context.Context, context.CancelFunc) {
+	if deadline.IsZero() {
+		return context.WithTimeout(context.WithoutCancel(ctx), e.storeTimeout)
+	}
+	return context.WithDeadline(context.WithoutCancel(ctx), deadline)
+}
+
+// retryPause is the real-time pause before retry n (0-based) of a store call
+// whose answer was lost: short, since most such faults are one dropped
+// connection, and growing.
+func retryPause(n int) time.Duration {
+	return min(10*time.Millisecond<<(2*n), 500*time.Millisecond)
+}
+
+// retry runs op until it succeeds, fails with something other than
+// [ErrUnavailable], or the store timeout has run out; op gets each attempt's
+// context. It returns op's last error.
+func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) error {
+	deadline := time.Now().Add(e.storeTimeout)
+	for n := 0; ; n++ {
+		actx, cancel := e.storeCtx(ctx, deadline)
+		err := op(actx)
+		cancel()
+		if err == nil || !errors.Is(err, ErrUnavailable) {
+			return err
+		}
+		pause := retryPause(n)
+		if time.Until(deadline) < pause {
+			return err
+		}
+		time.Sleep(pause)
+	}
 }
 
 // Store returns the engine's store.
@@ -160,6 +256,15 @@ type Outcome struct {
 
 // Begin looks the key up and decides; when the decision is Execute, the caller
 // holds a new lease. It is one store round trip.
+//
+// The store call is detached from ctx's cancellation: a client that goes
+// away while it runs cannot leave the acquire half-known. When the store's
+// answer is lost (ErrUnavailable), Begin asks again with the same lease
+// token, which a store answers the same way whether or not the first one
+// landed, until the store timeout runs out. When it still cannot tell, it
+// returns ErrUnavailable and has the journal release the record if the
+// acquire landed after all (nothing ran under it), so the key is never left
+// blocked by work that did not run.
 func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	lease, retention := p.Lease, p.Retention
 	if lease == 0 {
@@ -171,12 +276,18 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	if lease < 0 || retention < 0 {
 		return Outcome{}, invalid("lease and retention must be positive")
 	}
+	if err := ctx.Err(); err != nil {
+		return Outcome{}, err // gone before anything started
+	}
 	token, err := NewToken()
 	if err != nil {
 		return Outcome{}, err
 	}
+	if out, ok := e.journal.replay(p.Scope, p.Key, p.Fingerprint); ok {
+		return out, nil
+	}
 	now := e.clock.Now()
-	rec, err := e.store.Acquire(ctx, AcquireParams{
+	ap := AcquireParams{
 		Scope:        p.Scope,
 		Key:          p.Key,
 		Fingerprint:  p.Fingerprint,
@@ -184,7 +295,17 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 		Now:          now,
 		LeaseExpires: now.Add(lease),
 		TakeoverSafe: p.TakeoverSafe,
+	}
+	var rec Record
+	err = e.retry(ctx, func(ctx context.Context) (err error) {
+		rec, err = e.store.Acquire(ctx, ap)
+		return err
 	})
+	if errors.Is(err, ErrUnavailable) {
+		// The acquire may have landed: release the record if it did.
+		e.journal.put(FinishParams{Scope: p.Scope, Key: p.Key, Token: token, Now: now, State: StateFailed,
+			Expires: now.Add(retention), Repeat: true}, p.Fingerprint)
+	}
 	if err != nil {
 		return Outcome{}, err
 	}
@@ -215,6 +336,8 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
 	now := e.clock.Now()
 	expires := now.Add(l.Duration)
+	ctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
+	defer cancel()
 	if err := e.store.Renew(ctx, RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
 		return l, err
 	}
@@ -224,6 +347,16 @@ func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
 
 // Complete stores resp as the outcome; every later Begin with the same key
 // and payload replays it until the retention runs out.
+//
+// An outcome is never dropped for want of a store: Complete (like Release
+// and MarkUnknown) is detached from ctx's cancellation, and when the
+// store's answer is lost it sends the same write again (a repeat of a
+// settling write succeeds, so this is safe). When the store stays
+// unreachable for the store timeout, the outcome goes to the journal (see
+// [Config.JournalDir]), which stores it as soon as the store answers, and
+// Complete returns nil: the outcome is kept, and a Begin in this engine
+// replays it meanwhile. An error means it was not kept: [ErrLeaseLost] (a
+// newer owner's outcome stands) or [ErrInvalid].
 func (e *Engine) Complete(ctx context.Context, l Lease, resp *Response) error {
 	return e.finish(ctx, l, StateCompleted, resp)
 }
@@ -260,11 +393,17 @@ func (e *Engine) FinishParams(l Lease, state State, resp *Response) FinishParams
 }
 
 func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Response) error {
-	if err := e.store.Finish(ctx, e.FinishParams(l, state, resp)); err != nil {
-		return err
+	p := e.FinishParams(l, state, resp)
+	p.Repeat = true // the lease's owner: a repeat of its own write may succeed
+	err := e.retry(ctx, func(ctx context.Context) error { return e.store.Finish(ctx, p) })
+	switch {
+	case err == nil:
+		e.notify(ctx, l.Scope, l.Key)
+		return nil
+	case errors.Is(err, ErrUnavailable):
+		return e.journal.put(p, l.Fingerprint)
 	}
-	e.notify(ctx, l.Scope, l.Key)
-	return nil
+	return err
 }
 
 // Settled tells waiters that the record under scope and key was settled
@@ -329,15 +468,13 @@ func (e *Engine) Hold(ctx context.Context, l Lease) (held context.Context, stop 
 		if every <= 0 {
 			every = time.Millisecond
 		}
-		ticker := time.NewTicker(every)
-		defer ticker.Stop()
 		for {
 			select {
 			case <-done:
 				return
 			case <-held.Done():
 				return
-			case <-ticker.C:
+			case <-e.clock.After(every):
 			}
 			renewed, err := e.Renew(held, current)
 			switch {

@@ -3,13 +3,16 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 var ctx = context.Background()
@@ -96,10 +99,11 @@ func (s *signalStore) failRenewals(err error) {
 	s.mu.Unlock()
 }
 
-func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, idem.Lease) {
+func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, idem.Lease, *storetest.Clock) {
 	t.Helper()
 	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
-	e, err := idem.New(idem.Config{Store: s, Lease: lease})
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	e, err := idem.New(idem.Config{Store: s, Lease: lease, Clock: clock})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,17 +111,29 @@ func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, i
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatal(out.Decision, err)
 	}
-	return e, s, out.Lease
+	return e, s, out.Lease, clock
+}
+
+// tick waits until Hold has set its n-th renewal timer, then moves the clock
+// by d.
+func tick(t *testing.T, clock *storetest.Clock, n int, d time.Duration) {
+	t.Helper()
+	if !clock.AwaitTimers(n, 5*time.Second) {
+		t.Fatalf("Hold never set its renewal timer number %d", n)
+	}
+	clock.Advance(d)
 }
 
 // TestHoldOutlivesLease: work that runs for several lease lengths keeps its
 // lease, so a duplicate meanwhile is in flight, not uncertain, and the owner
-// can still store its outcome.
+// can still store its outcome. The clock is moved by hand, so the test does
+// not depend on how fast the machine is.
 func TestHoldOutlivesLease(t *testing.T) {
-	e, s, l := holdSetup(t, 300*time.Millisecond)
+	e, s, l, clock := holdSetup(t, 300*time.Millisecond)
 	held, stop := e.Hold(ctx, l)
-	for range 9 { // renewals every 100ms: three whole lease lengths
-		<-s.renewed
+	for i := range 9 { // renewals every 100ms: three whole lease lengths
+		tick(t, clock, i+1, 100*time.Millisecond)
+		wait.Recv(t, s.renewed, 5*time.Second, fmt.Sprintf("renewal %d", i+1))
 		if out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload}); err != nil || out.Decision != idem.InFlight {
 			t.Fatalf("duplicate while held: %v, %v; want in flight", out.Decision, err)
 		}
@@ -126,8 +142,8 @@ func TestHoldOutlivesLease(t *testing.T) {
 		t.Fatalf("held context ended: %v", context.Cause(held))
 	}
 	last := stop()
-	if !last.Expires.After(l.Expires) {
-		t.Fatalf("stop returned lease expiring %v, not after the first %v", last.Expires, l.Expires)
+	if !last.Expires.After(l.Expires.Add(500 * time.Millisecond)) {
+		t.Fatalf("stop returned lease expiring %v, not 9 renewals after the first %v", last.Expires, l.Expires)
 	}
 	if held.Err() == nil {
 		t.Fatal("held context still live after stop")
@@ -140,41 +156,49 @@ func TestHoldOutlivesLease(t *testing.T) {
 // TestHoldCancelsWhenLeaseLost: once a renewal is refused, the work's
 // context is cancelled with ErrLeaseLost as its cause.
 func TestHoldCancelsWhenLeaseLost(t *testing.T) {
-	e, s, l := holdSetup(t, 60*time.Millisecond)
+	e, _, l, clock := holdSetup(t, 60*time.Millisecond)
 	held, stop := e.Hold(ctx, l)
 	defer stop()
-	<-s.renewed
 	if err := e.MarkUnknown(ctx, l); err != nil { // someone settles the record
 		t.Fatal(err)
 	}
-	<-held.Done()
+	tick(t, clock, 1, 20*time.Millisecond)
+	wait.Recv(t, held.Done(), 5*time.Second, "the held context to end once the lease was lost")
 	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
 		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
 	}
 }
 
 // TestHoldCancelsWhenStoreStaysDown: transient renewal errors are retried,
-// but once the lease has run out without a renewal the work is cancelled.
+// but once the lease has run out without a renewal the work is cancelled —
+// and not before.
 func TestHoldCancelsWhenStoreStaysDown(t *testing.T) {
-	e, s, l := holdSetup(t, 60*time.Millisecond)
+	e, s, l, clock := holdSetup(t, 60*time.Millisecond)
 	s.failRenewals(idem.ErrUnavailable)
 	held, stop := e.Hold(ctx, l)
 	defer stop()
-	<-held.Done()
+	for n := 1; n <= 2; n++ { // 20ms, 40ms: the lease still runs
+		tick(t, clock, n, 20*time.Millisecond)
+		if !clock.AwaitTimers(n+1, 5*time.Second) {
+			t.Fatalf("Hold stopped renewing after failure %d, before the lease ran out: %v", n, context.Cause(held))
+		}
+		if held.Err() != nil {
+			t.Fatalf("cancelled at %v, before the lease ran out at %v", clock.Now(), l.Expires)
+		}
+	}
+	tick(t, clock, 3, 20*time.Millisecond) // 60ms: the lease has run out
+	wait.Recv(t, held.Done(), 5*time.Second, "the held context to end once the lease ran out")
 	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
 		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
-	}
-	if time.Now().Before(l.Expires) {
-		t.Fatalf("cancelled at %v, before the lease ran out at %v", time.Now(), l.Expires)
 	}
 }
 
 func TestHoldStopsWithParent(t *testing.T) {
-	e, _, l := holdSetup(t, time.Minute)
+	e, _, l, _ := holdSetup(t, time.Minute)
 	parent, cancel := context.WithCancel(ctx)
 	held, stop := e.Hold(parent, l)
 	cancel()
-	<-held.Done()
+	wait.Recv(t, held.Done(), 5*time.Second, "the held context to end with its parent")
 	if got := stop(); got.Token != l.Token {
 		t.Fatalf("stop returned %+v", got)
 	}

@@ -140,16 +140,13 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 			return out, nil
 		}
 		pause := min(left, e.poll, max(out.Record.LeaseExpires.Sub(e.clock.Now()), time.Millisecond))
-		timer := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
-			timer.Stop()
 			return out, ctx.Err()
 		case <-local:
 		case <-remote:
-		case <-timer.C:
+		case <-e.clock.After(pause):
 		}
-		timer.Stop()
 	}
 }
 

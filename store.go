@@ -188,6 +188,13 @@ type FinishParams struct {
 	// Expires is when a COMPLETED or FAILED record expires; after Now. It
 	// must be zero for UNKNOWN.
 	Expires time.Time
+	// Repeat lets the write succeed as a repeat of the one that settled the
+	// record: same token, terminal state and response. It is for the lease's
+	// owner sending again a write whose answer was lost. Writers that borrow
+	// a record's token (a reconciler, an operator) leave it false, so that
+	// of two of them only one succeeds; a store's transactional finish
+	// ignores it, since the caller's own writes would commit twice.
+	Repeat bool
 }
 
 // Validate reports malformed params; the error wraps [ErrInvalid].
@@ -226,12 +233,13 @@ func (p FinishParams) Validate() error {
 // none). It succeeds while r is IN_PROGRESS or UNKNOWN under p.Token, even
 // after the lease ran out: nobody else owns the record then, and the owner's
 // late outcome is exactly what an UNKNOWN record waits for. Once a record is
-// settled or taken over, the token has lost it — except to a repeat of the
-// write that settled it: the same token, terminal state and response. A
-// caller whose Finish got no answer sends it again, and must learn that it
-// landed, not that the lease was lost. A repeat changes nothing.
+// settled or taken over, the token has lost it — except, when p.Repeat, to
+// a repeat of the write that settled it: the same token, terminal state and
+// response. An owner whose Finish got no answer sends it again, and must
+// learn that it landed, not that the lease was lost. A repeat changes
+// nothing.
 func (p FinishParams) Apply(r *Record) error {
-	if r != nil && r.Token == p.Token && p.State.Terminal() && r.State == p.State && r.Response.Equal(p.Response) {
+	if p.Repeat && r != nil && r.Token == p.Token && p.State.Terminal() && r.State == p.State && r.Response.Equal(p.Response) {
 		return nil
 	}
 	if r == nil || r.Token != p.Token || (r.State != StateInProgress && r.State != StateUnknown) {

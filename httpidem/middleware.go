@@ -140,6 +140,7 @@ const (
 	ObservedKeyInvalid    = "key_invalid"    // 400
 	ObservedNoKey         = "no_key"         // no key, none required: ran unprotected
 	ObservedRejected      = "rejected"       // 413 or an unreadable body
+	ObservedClientGone    = "client_gone"    // the client went away before anything ran
 )
 
 func (m *Middleware) observe(r *http.Request, what string) {
@@ -360,11 +361,19 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	log := m.log.With("key_hash", keyHash(scope, key), "method", r.Method, "path", r.URL.Path)
 
+	// The engine's store calls are detached from the client: one that goes
+	// away mid-acquire never leaves a record behind for work that did not
+	// run. Only a wait for another request ends with the client.
 	var out idem.Outcome
 	if m.cfg.Wait > 0 {
 		out, err = m.cfg.Engine.Await(r.Context(), params, m.cfg.Wait)
 	} else {
 		out, err = m.cfg.Engine.Begin(r.Context(), params)
+	}
+	if err != nil && r.Context().Err() != nil && !errors.Is(err, idem.ErrUnavailable) {
+		m.observe(r, ObservedClientGone)
+		log.Info("idempotency: the client went away while waiting", "err", err)
+		return
 	}
 	if err != nil {
 		if errors.Is(err, idem.ErrInvalid) {
@@ -387,6 +396,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	switch out.Decision {
 	case idem.Execute:
+		if r.Context().Err() != nil {
+			// Gone before anything ran: release the key for its retry.
+			m.observe(r, ObservedClientGone)
+			if err := m.cfg.Engine.Release(context.WithoutCancel(r.Context()), out.Lease); err != nil {
+				log.Error("idempotency: cannot release the key of a request whose client went away", "err", err)
+			}
+			return
+		}
 		m.observe(r, ObservedExecuted)
 		m.execute(w, r, next, out.Lease, log)
 	case idem.Replay:
@@ -485,9 +502,13 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		err = eng.Complete(settle, lease, resp)
 	}
 	if err != nil {
-		// The work happened; the client gets its outcome all the same. A
-		// retry will find the record in progress, unknown, or settled by
-		// a newer owner: never run blindly.
+		// The engine retries a write whose answer was lost and keeps the
+		// outcome in its journal while the store is away, so this is a
+		// newer owner's outcome standing (the lease was lost) or a journal
+		// that could not write. The work happened; the client gets its
+		// outcome all the same, without a promise to replay it. A retry
+		// finds the record in progress, unknown, or settled by the newer
+		// owner: never run blindly.
 		log.Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
 		extra.Del(HeaderExpires)
 	}

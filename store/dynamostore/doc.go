@@ -89,8 +89,8 @@
 // lost lease at once; on a checkpoint or a finish the store looks at the
 // item sent back to tell a lost lease from a full record or from its own
 // earlier attempt that the SDK retried after losing the answer (which then
-// counts as done: a checkpoint is not recorded twice, a completion does not
-// report a lost lease). The SDK's own retries (throttling, 5xx, broken
+// counts as done: a checkpoint is not recorded twice, a completion marked
+// [idem.FinishParams.Repeat] does not report a lost lease). The SDK's own retries (throttling, 5xx, broken
 // connections) add round trips of their own.
 //
 // # Costs

@@ -406,9 +406,11 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 // landed reports whether the record holds exactly what Finish(p) writes, with
 // response meta and body: the write has already been made, by an earlier
 // attempt of the same request (the SDK retries a request whose answer was
-// lost), so the lease was not lost to anyone else.
+// lost, and the engine sends its own again), so the lease was not lost to
+// anyone else. Only a write marked p.Repeat may count as landed: two writers
+// borrowing one token must not both succeed.
 func (st *stored) landed(p idem.FinishParams, meta, body []byte) bool {
-	if st.Token != p.Token || st.State != p.State || !st.Updated.Equal(trunc(p.Now)) || !st.Expires.Equal(trunc(p.Expires)) {
+	if !p.Repeat || st.Token != p.Token || st.State != p.State {
 		return false
 	}
 	if st.Response == nil || meta == nil {

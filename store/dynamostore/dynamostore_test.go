@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strconv"
 	"strings"
 	"testing"
@@ -19,6 +20,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // t0 is a time that is not a whole second, so that the ttl attribute's
@@ -630,7 +632,7 @@ func TestRetriedWritesLand(t *testing.T) {
 	if r, _ := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); len(r.Checkpoints) != 2 {
 		t.Fatalf("%d checkpoints, want 2", len(r.Checkpoints))
 	}
-	p := idem.FinishParams{Scope: "s", Key: "k", Token: tokA, Now: t0, State: idem.StateCompleted, Response: okResponse("done"), Expires: t0.Add(time.Hour)}
+	p := idem.FinishParams{Scope: "s", Key: "k", Token: tokA, Now: t0, State: idem.StateCompleted, Response: okResponse("done"), Expires: t0.Add(time.Hour), Repeat: true}
 	for range 2 {
 		if err := s.Finish(ctx, p); err != nil {
 			t.Fatalf("Finish: %v", err)
@@ -642,9 +644,9 @@ func TestRetriedWritesLand(t *testing.T) {
 		t.Fatalf("Finish with another response: %v, want ErrLeaseLost", err)
 	}
 	other = p
-	other.Now = t0.Add(time.Millisecond)
+	other.Repeat = false
 	if err := s.Finish(ctx, other); !errors.Is(err, idem.ErrLeaseLost) {
-		t.Fatalf("Finish at another time: %v, want ErrLeaseLost", err)
+		t.Fatalf("the same Finish not marked a repeat: %v, want ErrLeaseLost", err)
 	}
 }
 
@@ -720,4 +722,17 @@ func TestCursor(t *testing.T) {
 			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", bad, err)
 		}
 	}
+}
+
+// TestFaults runs the suite's network-fault cases, through a TCP proxy
+// between the store and the server.
+func TestFaults(t *testing.T) {
+	u, err := url.Parse(endpoint(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.RunFaults(t, u.Host, func(t *testing.T, addr string) idem.Store {
+		client, _ := newClient("http://" + addr)
+		return newTestStore(t, client, 0)
+	})
 }

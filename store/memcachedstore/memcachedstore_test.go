@@ -1042,3 +1042,14 @@ func TestPrune(t *testing.T) {
 		t.Fatalf("Prune without a time: %v, want ErrInvalid", err)
 	}
 }
+
+// TestFaults runs the suite's network-fault cases, through a TCP proxy
+// between the store and the server.
+func TestFaults(t *testing.T) {
+	target := testAddr(t)
+	storetest.RunFaults(t, target, func(t *testing.T, addr string) idem.Store {
+		client := memcache.New(addr)
+		client.MaxIdleConns = 1
+		return newTestStore(t, client, Config{})
+	})
+}

@@ -267,9 +267,9 @@ UPDATE {{table}} SET checkpoints = coalesce(checkpoints, ''::bytea) || $5::bytea
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress' AND lease_expires > $4`
 
 // finishSQL is FinishParams.Apply: a running or unknown record under the
-// token is settled, even past its lease. A repeat of the write that settled
-// it (same token, terminal state and response) matches too, and writes
-// nothing: the CASEs keep what is stored.
+// token is settled, even past its lease. When $8 (Repeat), a repeat of the
+// write that settled it (same token, terminal state and response) matches
+// too, and writes nothing: the CASEs keep what is stored.
 const finishSQL = `
 UPDATE {{table}} SET
 	response = CASE WHEN state IN ('in_progress', 'unknown') THEN $5 ELSE response END,
@@ -277,7 +277,7 @@ UPDATE {{table}} SET
 	updated = CASE WHEN state IN ('in_progress', 'unknown') THEN $7 ELSE updated END,
 	state = $4
 WHERE scope = $1 AND key = $2 AND token = $3 AND (state IN ('in_progress', 'unknown')
-	OR (state = $4 AND $4 IN ('completed', 'failed') AND response IS NOT DISTINCT FROM $5))`
+	OR ($8 AND state = $4 AND $4 IN ('completed', 'failed') AND response IS NOT DISTINCT FROM $5))`
 
 // getSQL returns the live record: unsettled, or settled and not expired.
 const getSQL = `
@@ -407,6 +407,7 @@ func (s *Store) FinishTx(ctx context.Context, tx pgx.Tx, p idem.FinishParams) er
 	if tx == nil {
 		return fmt.Errorf("pgstore: finish in transaction: %w: nil transaction", idem.ErrInvalid)
 	}
+	p.Repeat = false // the caller's writes in tx must never commit twice
 	return s.finish(ctx, tx, "finish in transaction", p)
 }
 
@@ -433,7 +434,7 @@ func (s *Store) finish(ctx context.Context, db execer, op string, p idem.FinishP
 	if !p.Expires.IsZero() {
 		expires = p.Expires
 	}
-	tag, err := db.Exec(ctx, s.finishSQL, p.Scope, p.Key, p.Token, string(p.State), response, expires, p.Now)
+	tag, err := db.Exec(ctx, s.finishSQL, p.Scope, p.Key, p.Token, string(p.State), response, expires, p.Now, p.Repeat)
 	if err != nil {
 		return translate(op, err)
 	}

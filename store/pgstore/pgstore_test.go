@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -812,4 +813,36 @@ func TestConfig(t *testing.T) {
 	if _, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: strings.Repeat("s", 63), NoMigrate: true}); err != nil {
 		t.Fatalf("New with a 63-byte schema: %v", err)
 	}
+}
+
+// TestFaults runs the suite's network-fault cases, through a TCP proxy
+// between the store and the server, on a pool of one connection that never
+// pings (a ping would take the fault meant for the operation).
+func TestFaults(t *testing.T) {
+	server, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port)))
+	storetest.RunFaults(t, target, func(t *testing.T, addr string) idem.Store {
+		cfg, err := pgxpool.ParseConfig(databaseURL(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		host, port, _ := net.SplitHostPort(addr)
+		p, _ := strconv.Atoi(port)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+		cfg.MaxConns = 1
+		cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		s, err := pgstore.New(context.Background(), pgstore.Config{Pool: pool, Schema: newSchema(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	})
 }

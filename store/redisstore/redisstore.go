@@ -276,17 +276,18 @@ return 1
 // finishScript applies idem.FinishParams.Apply: 1 when settled, 0 when the
 // lease is lost. A terminal record leaves the pending set and expires at
 // retention; an UNKNOWN one stays pending, scored at most now so that a scan
-// finds it at once. A repeat of the write that settled the record (same
-// token, terminal state and response) returns 1 and writes nothing.
+// finds it at once. When repeat is 1, a repeat of the write that settled the
+// record (same token, terminal state and response) returns 1 and writes
+// nothing.
 //
-// KEYS: record, pending. ARGV: token, now, state, exp, ttl (ms), resp.
+// KEYS: record, pending. ARGV: token, now, state, exp, ttl (ms), resp, repeat.
 var finishScript = redis.NewScript(`
 local cur = redis.call('HMGET', KEYS[1], 'state', 'token')
 if cur[2] ~= ARGV[1] then
   return 0
 end
 if cur[1] ~= 'in_progress' and cur[1] ~= 'unknown' then
-  if cur[1] == ARGV[3] and (ARGV[3] == 'failed' or (ARGV[3] == 'completed' and redis.call('HGET', KEYS[1], 'resp') == ARGV[6])) then
+  if ARGV[7] == '1' and cur[1] == ARGV[3] and (ARGV[3] == 'failed' or (ARGV[3] == 'completed' and redis.call('HGET', KEYS[1], 'resp') == ARGV[6])) then
     return 1
   end
   return 0
@@ -439,8 +440,12 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		ttl = strconv.FormatInt(max(p.Expires.UnixMilli()-p.Now.UnixMilli(), 1), 10)
 	}
 	rec, pending := s.keys(p.Scope, p.Key)
+	repeat := "0"
+	if p.Repeat {
+		repeat = "1"
+	}
 	n, err := finishScript.Run(ctx, s.client, []string{rec, pending},
-		p.Token, ms(p.Now), string(p.State), exp, ttl, resp).Int()
+		p.Token, ms(p.Now), string(p.State), exp, ttl, resp, repeat).Int()
 	if err != nil {
 		return translate("finish", err)
 	}

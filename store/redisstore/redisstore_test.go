@@ -751,3 +751,16 @@ func TestPrune(t *testing.T) {
 		t.Fatalf("Prune without a time: %v, want ErrInvalid", err)
 	}
 }
+
+// TestFaults runs the suite's network-fault cases, through a TCP proxy
+// between the store and the server, on a client of one connection.
+func TestFaults(t *testing.T) {
+	target := testOptions(t).Addr
+	storetest.RunFaults(t, target, func(t *testing.T, addr string) idem.Store {
+		opt := testOptions(t)
+		opt.Addr, opt.PoolSize = addr, 1
+		client := redis.NewClient(opt)
+		t.Cleanup(func() { client.Close() })
+		return newTestStore(t, client, 0)
+	})
+}

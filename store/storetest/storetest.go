@@ -81,14 +81,24 @@ const (
 	retention = time.Hour
 )
 
-// Clock is a clock moved by hand, safe for concurrent use.
+// Clock is a clock moved by hand, safe for concurrent use. Its timers
+// ([Clock.After]) fire when [Clock.Advance] moves it past their time, so a
+// test drives the engine's lease renewals and waits without sleeping.
 type Clock struct {
-	mu  sync.Mutex
-	now time.Time
+	mu      sync.Mutex
+	now     time.Time
+	timers  []clockTimer
+	set     int           // timers set so far
+	changed chan struct{} // closed and replaced whenever a timer is set
+}
+
+type clockTimer struct {
+	at time.Time
+	ch chan time.Time
 }
 
 // NewClock returns a clock that reads start until moved.
-func NewClock(start time.Time) *Clock { return &Clock{now: start} }
+func NewClock(start time.Time) *Clock { return &Clock{now: start, changed: make(chan struct{})} }
 
 // Now implements [idem.Clock].
 func (c *Clock) Now() time.Time {
@@ -97,11 +107,65 @@ func (c *Clock) Now() time.Time {
 	return c.now
 }
 
-// Advance moves the clock forward by d.
+// After implements [idem.Clock]: the channel receives once the clock has
+// been advanced by d or more.
+func (c *Clock) After(d time.Duration) <-chan time.Time {
+	ch := make(chan time.Time, 1)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.set++
+	close(c.changed)
+	c.changed = make(chan struct{})
+	if d <= 0 {
+		ch <- c.now
+		return ch
+	}
+	c.timers = append(c.timers, clockTimer{at: c.now.Add(d), ch: ch})
+	return ch
+}
+
+// Advance moves the clock forward by d and fires the timers that are due.
 func (c *Clock) Advance(d time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.now = c.now.Add(d)
+	kept := c.timers[:0]
+	for _, t := range c.timers {
+		if t.at.After(c.now) {
+			kept = append(kept, t)
+			continue
+		}
+		t.ch <- c.now
+	}
+	c.timers = kept
+}
+
+// Timers reports how many timers have been set on the clock so far.
+func (c *Clock) Timers() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.set
+}
+
+// AwaitTimers waits until n timers in all have been set on the clock, and
+// reports false when that has not happened within d (real time). A test
+// calls it before Advance to know that the code under test is waiting.
+func (c *Clock) AwaitTimers(n int, d time.Duration) bool {
+	deadline := time.NewTimer(d)
+	defer deadline.Stop()
+	for {
+		c.mu.Lock()
+		set, changed := c.set, c.changed
+		c.mu.Unlock()
+		if set >= n {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-deadline.C:
+			return false
+		}
+	}
 }
 
 type harness struct {
@@ -363,15 +427,16 @@ func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
 	sameResponse(t, r.Response, resp)
 }
 
-// testFinishRepeatSucceeds: a caller whose Finish got no answer (the reply
+// testFinishRepeatSucceeds: an owner whose Finish got no answer (the reply
 // was lost, the connection died after the commit, the driver timed out)
-// sends the very same Finish again. The repeat must succeed, whether or not
-// the first one landed, rather than report the lease lost; any other outcome
-// under the same token is still refused, so the repeat can never overwrite
-// anything.
+// sends the very same Finish again, marked Repeat. The repeat must succeed,
+// whether or not the first one landed, rather than report the lease lost;
+// any other outcome under the same token is still refused, so the repeat can
+// never overwrite anything. Unmarked, it is refused: two writers borrowing
+// one token (reconcilers) must not both succeed.
 func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 	finish := func(l idem.Lease, state idem.State, resp *idem.Response) idem.FinishParams {
-		p := idem.FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: h.clock.Now(), State: state, Response: resp}
+		p := idem.FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: h.clock.Now(), State: state, Response: resp, Repeat: true}
 		if state.Terminal() {
 			p.Expires = p.Now.Add(retention)
 		}
@@ -388,6 +453,9 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 			wantErr(t, "Finish", h.store.Finish(ctx, p), nil)
 			h.clock.Advance(time.Second)
 			wantErr(t, "the same Finish again", h.store.Finish(ctx, p), nil)
+			strict := p
+			strict.Repeat = false
+			wantErr(t, "the same Finish again, not marked a repeat", h.store.Finish(ctx, strict), idem.ErrLeaseLost)
 			other := *resp
 			other.Status++
 			wantErr(t, "another response under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)

@@ -1,0 +1,339 @@
+package idem
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+)
+
+// journal keeps the settling writes ([FinishParams]) that the store could not
+// take when they were made, and sends them again until it does: the outcome
+// a client was given is never lost because the store was away. Each entry
+// is a file in dir, written and synced before the write is reported kept, and
+// removed once the store has it; without a dir, entries live in memory.
+//
+// Sending an entry again is safe whatever became of the first attempt: a
+// settling write is a compare-and-set on its lease token, and a repeat of one
+// that landed succeeds (see [FinishParams.Apply]).
+type journal struct {
+	e   *Engine
+	dir string
+
+	mu       sync.Mutex
+	entries  map[string]*journalEntry // by file name
+	byRecord map[string]*journalEntry // completed entries by NotifyID, for replays
+	running  bool                     // the drain loop is running
+	closed   bool
+	stop     chan struct{}
+	drained  chan struct{} // closed when the drain loop exits
+}
+
+// journalVersion is the version of the entry encoding.
+const journalVersion = 1
+
+type journalEntry struct {
+	V           int          `json:"v"`
+	Params      FinishParams `json:"params"`
+	Fingerprint Fingerprint  `json:"fingerprint"`
+	name        string
+}
+
+func openJournal(e *Engine, dir string) (*journal, error) {
+	j := &journal{e: e, dir: dir, entries: map[string]*journalEntry{}, byRecord: map[string]*journalEntry{},
+		stop: make(chan struct{})}
+	if dir == "" {
+		return j, nil
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("idem: journal: %w", err)
+	}
+	names, err := filepath.Glob(filepath.Join(dir, "*"))
+	if err != nil {
+		return nil, fmt.Errorf("idem: journal: %w", err)
+	}
+	for _, path := range names {
+		name := filepath.Base(path)
+		if strings.HasSuffix(name, ".tmp") {
+			os.Remove(path) // a write that never completed was never reported kept
+			continue
+		}
+		if !strings.HasSuffix(name, ".json") {
+			continue
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("idem: journal: %w", err)
+		}
+		var ent journalEntry
+		if err := json.Unmarshal(data, &ent); err != nil || ent.V != journalVersion {
+			e.log.Error("idem journal: an entry cannot be read; it is left in place for an operator",
+				"file", path, "err", err, "version", ent.V)
+			continue
+		}
+		ent.name = name
+		j.add(&ent)
+	}
+	if len(j.entries) > 0 {
+		e.log.Warn("idem journal: storing outcomes a previous run could not store", "entries", len(j.entries), "dir", dir)
+		j.mu.Lock()
+		j.startLocked()
+		j.mu.Unlock()
+	}
+	return j, nil
+}
+
+// add indexes an entry; the caller holds mu or owns j alone.
+func (j *journal) add(ent *journalEntry) {
+	j.entries[ent.name] = ent
+	if ent.Params.State == StateCompleted {
+		j.byRecord[NotifyID(ent.Params.Scope, ent.Params.Key)] = ent
+	}
+}
+
+func entryName(p FinishParams) string {
+	h := sha256.New()
+	for _, part := range []string{p.Scope, p.Key, p.Token} {
+		h.Write([]byte(part))
+		h.Write([]byte{0})
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16]) + ".json"
+}
+
+// put keeps p until the store takes it, and starts sending it again. It
+// returns nil once p is kept (synced to disk when the journal has a dir).
+func (j *journal) put(p FinishParams, fp Fingerprint) error {
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, name: entryName(p)}
+	if j.dir != "" {
+		if err := j.write(ent); err != nil {
+			j.e.log.Error("idem journal: cannot keep an outcome the store did not take", "key_hash", keyHash(p.Scope, p.Key), "err", err)
+			return fmt.Errorf("idem: the store did not take the outcome and the journal cannot keep it: %w: %w", ErrUnavailable, err)
+		}
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.add(ent)
+	j.e.log.Warn("idem journal: the store is unreachable; the outcome waits in the journal", "key_hash", keyHash(p.Scope, p.Key),
+		"state", p.State, "pending", len(j.entries))
+	j.startLocked()
+	return nil
+}
+
+// write puts ent in its file: a temporary file, synced, renamed into place,
+// and the directory synced, so that a crash leaves either nothing or all of it.
+func (j *journal) write(ent *journalEntry) error {
+	data, err := json.Marshal(ent)
+	if err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(j.dir, "entry-*.tmp")
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		os.Remove(f.Name())
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		os.Remove(f.Name())
+		return err
+	}
+	if err := f.Close(); err != nil {
+		os.Remove(f.Name())
+		return err
+	}
+	if err := os.Rename(f.Name(), filepath.Join(j.dir, ent.name)); err != nil {
+		os.Remove(f.Name())
+		return err
+	}
+	d, err := os.Open(j.dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// replay answers a Begin from a completed entry that waits for the store: a
+// client that was given the outcome gets it again even while the store is
+// away.
+func (j *journal) replay(scope, key string, fp Fingerprint) (Outcome, bool) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if len(j.byRecord) == 0 {
+		return Outcome{}, false
+	}
+	ent := j.byRecord[NotifyID(scope, key)]
+	if ent == nil || ent.Params.Scope != scope || ent.Params.Key != key {
+		return Outcome{}, false
+	}
+	p := ent.Params
+	rec := Record{Scope: p.Scope, Key: p.Key, State: StateCompleted, Fingerprint: ent.Fingerprint, Token: p.Token,
+		Response: p.Response, Updated: p.Now, Expires: p.Expires}
+	if ent.Fingerprint != fp {
+		return Outcome{Decision: Mismatch, Record: rec, Diff: fp.Diff(ent.Fingerprint)}, true
+	}
+	return Outcome{Decision: Replay, Record: rec}, true
+}
+
+func (j *journal) len() int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return len(j.entries)
+}
+
+// startLocked starts the drain loop unless it runs; the caller holds mu.
+func (j *journal) startLocked() {
+	if j.running || j.closed {
+		return
+	}
+	j.running = true
+	j.drained = make(chan struct{})
+	go j.drain(j.drained)
+}
+
+// drainPause bounds the pause between rounds of the drain loop.
+const drainPause = time.Second
+
+// drain sends the entries again, round after round, until none is left or
+// the journal is closed.
+func (j *journal) drain(drained chan struct{}) {
+	defer close(drained)
+	for n := 0; ; n++ {
+		if j.round() {
+			return
+		}
+		select {
+		case <-j.stop:
+			return
+		case <-time.After(min(retryPause(n), drainPause)):
+		}
+	}
+}
+
+// round tries every entry once and reports whether the journal is empty (and
+// the loop has stopped).
+func (j *journal) round() (empty bool) {
+	j.mu.Lock()
+	ents := make([]*journalEntry, 0, len(j.entries))
+	for _, ent := range j.entries {
+		ents = append(ents, ent)
+	}
+	j.mu.Unlock()
+	for _, ent := range ents {
+		select {
+		case <-j.stop:
+			return false
+		default:
+		}
+		if !j.land(ent) {
+			break // the store is still away: try again later
+		}
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if len(j.entries) == 0 {
+		j.running = false
+		return true
+	}
+	return false
+}
+
+// land sends one entry to the store, and reports false when the store
+// could not be reached.
+func (j *journal) land(ent *journalEntry) bool {
+	p := ent.Params
+	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
+	err := j.e.store.Finish(ctx, p)
+	cancel()
+	if errors.Is(err, ErrUnavailable) {
+		return false
+	}
+	log := j.e.log.With("key_hash", keyHash(p.Scope, p.Key), "state", p.State)
+	switch {
+	case err == nil:
+		log.Info("idem journal: stored an outcome that had waited for the store")
+		j.e.notify(context.Background(), p.Scope, p.Key)
+	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed:
+		// A release of an acquire whose answer was lost: it had not landed,
+		// or the record has moved on. Either way nothing is blocked.
+	case errors.Is(err, ErrLeaseLost):
+		log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
+	default:
+		log.Error("idem journal: the store refused an outcome; dropping it", "err", err)
+	}
+	j.remove(ent)
+	return true
+}
+
+func (j *journal) remove(ent *journalEntry) {
+	if j.dir != "" {
+		if err := os.Remove(filepath.Join(j.dir, ent.name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			j.e.log.Error("idem journal: cannot remove a stored entry; it will be sent again, harmlessly", "file", ent.name, "err", err)
+		}
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	delete(j.entries, ent.name)
+	id := NotifyID(ent.Params.Scope, ent.Params.Key)
+	if j.byRecord[id] == ent {
+		delete(j.byRecord, id)
+	}
+}
+
+// close drains until empty or ctx ends, then stops the loop.
+func (j *journal) close(ctx context.Context) error {
+	for {
+		j.mu.Lock()
+		left, running, drained, closed := len(j.entries), j.running, j.drained, j.closed
+		j.mu.Unlock()
+		if left == 0 || closed {
+			break
+		}
+		if !running {
+			j.mu.Lock()
+			j.startLocked()
+			drained = j.drained
+			j.mu.Unlock()
+		}
+		select {
+		case <-ctx.Done():
+		case <-drained:
+			continue
+		}
+		break
+	}
+	j.mu.Lock()
+	if !j.closed {
+		j.closed = true
+		close(j.stop)
+	}
+	left, drained := len(j.entries), j.drained
+	j.mu.Unlock()
+	if drained != nil {
+		<-drained
+	}
+	if left == 0 {
+		return nil
+	}
+	if j.dir == "" {
+		return fmt.Errorf("idem: %d outcome(s) the store never took are lost (set a JournalDir to keep them across restarts)", left)
+	}
+	return fmt.Errorf("idem: %d outcome(s) the store has not taken yet stay in the journal %s for the next run", left, j.dir)
+}
+
+// keyHash names a record in logs without revealing its key: the hex of the
+// first 8 bytes of SHA-256(scope, NUL, key).
+func keyHash(scope, key string) string {
+	sum := sha256.Sum256([]byte(scope + "\x00" + key))
+	return hex.EncodeToString(sum[:8])
+}
