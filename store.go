@@ -67,6 +67,27 @@ func MaxBody(s Store) int {
 	return math.MaxInt
 }
 
+// Durability is what a crash of a store's server would cost, as far as the
+// store can tell from the server's settings.
+type Durability struct {
+	// CrashSafe is true when every write the server acknowledged survives a
+	// crash of the server and of its machine. When it is false, a crash
+	// loses records: retries of the requests they recorded run again.
+	CrashSafe bool
+	// Detail names the settings read and what they mean, in a sentence.
+	Detail string
+	// Instance identifies the server's current run (Redis's run_id,
+	// PostgreSQL's start time); it changes when the server restarts. Empty
+	// when the store cannot tell.
+	Instance string
+}
+
+// DurabilityReporter is implemented by stores that can read their server's
+// durability settings.
+type DurabilityReporter interface {
+	Durability(ctx context.Context) (Durability, error)
+}
+
 // AcquireParams asks a store to create a record or return the existing one.
 type AcquireParams struct {
 	Scope, Key  string

@@ -621,3 +621,13 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return ctx.Err()
 	}
 }
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter]: DynamoDB stores every
+// write durably, in several availability zones, before it answers. (A local
+// stand-in such as dynalite is only as durable as its own disk, which the
+// store cannot see.)
+func (s *Store) Durability(context.Context) (idem.Durability, error) {
+	return idem.Durability{CrashSafe: true, Detail: "DynamoDB writes every item to several availability zones before it answers"}, nil
+}

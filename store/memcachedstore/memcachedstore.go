@@ -594,3 +594,11 @@ func translate(op string, err error) error {
 	}
 	return fmt.Errorf("memcachedstore: %s: %w: %w", op, idem.ErrUnavailable, err)
 }
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter]: Memcached keeps records in
+// memory only.
+func (s *Store) Durability(context.Context) (idem.Durability, error) {
+	return idem.Durability{Detail: "memcached keeps records in memory only: a restart, or an eviction, loses them"}, nil
+}

@@ -198,3 +198,11 @@ func cloneResponse(r *idem.Response) *idem.Response {
 	c.Header, c.Body = r.Header.Clone(), slices.Clone(r.Body)
 	return &c
 }
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter]: records live in this
+// process's memory and die with it.
+func (s *Store) Durability(context.Context) (idem.Durability, error) {
+	return idem.Durability{Detail: "memory: records live in this process and are lost when it exits"}, nil
+}

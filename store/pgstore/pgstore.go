@@ -586,3 +586,28 @@ func decodeCursor(c string) (scope, key string, err error) {
 	}
 	return string(rest[:n]), string(rest[n:]), nil
 }
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter] from fsync and
+// synchronous_commit, with the server's start time as its instance: a commit
+// survives a crash when fsync is on and synchronous_commit is not off.
+func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+	var fsync, syncCommit, started string
+	err := s.pool.QueryRow(ctx, `SELECT current_setting('fsync'), current_setting('synchronous_commit'),
+		pg_postmaster_start_time()::text`).Scan(&fsync, &syncCommit, &started)
+	if err != nil {
+		return idem.Durability{}, translate("durability", err)
+	}
+	d := idem.Durability{Instance: started, Detail: "fsync=" + fsync + ", synchronous_commit=" + syncCommit}
+	switch {
+	case fsync != "on":
+		d.Detail += ": a crash may lose or corrupt committed records"
+	case syncCommit == "off":
+		d.Detail += ": a crash loses the commits of the last moments (up to 3 × wal_writer_delay)"
+	default:
+		d.CrashSafe = true
+		d.Detail += ": every commit is on disk before PostgreSQL answers"
+	}
+	return d, nil
+}

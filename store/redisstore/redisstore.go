@@ -107,8 +107,10 @@ import (
 	"io"
 	"math"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -773,4 +775,81 @@ func unavailable(err error) bool {
 	}
 	// Not an answer from Redis: the client could not talk to it.
 	return true
+}
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter] from each master's
+// persistence settings (appendonly, appendfsync, save), with the masters'
+// run_ids as the instance: it changes when any of them restarts. Records
+// survive a crash only with appendonly yes and appendfsync always. A
+// failover to a replica that had not yet received the last writes loses
+// them whatever the settings.
+func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+	var mu sync.Mutex
+	var details, ids []string
+	safe := true
+	check := func(ctx context.Context, c *redis.Client) error {
+		d, id, err := nodeDurability(ctx, c)
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		safe = safe && d.CrashSafe
+		details = append(details, d.Detail)
+		ids = append(ids, id)
+		return nil
+	}
+	var err error
+	switch c := s.client.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachMaster(ctx, check)
+	case *redis.Client:
+		err = check(ctx, c)
+	default:
+		return idem.Durability{Detail: "unknown: the Redis client is neither a client nor a cluster client"}, nil
+	}
+	if err != nil {
+		return idem.Durability{}, translate("durability", err)
+	}
+	slices.Sort(ids)
+	slices.Sort(details)
+	return idem.Durability{CrashSafe: safe, Detail: strings.Join(slices.Compact(details), "; "), Instance: strings.Join(ids, ",")}, nil
+}
+
+// nodeDurability reads one server's persistence settings and run_id.
+func nodeDurability(ctx context.Context, c *redis.Client) (idem.Durability, string, error) {
+	info, err := c.Info(ctx, "persistence", "server").Result()
+	if err != nil {
+		return idem.Durability{}, "", err
+	}
+	fields := map[string]string{}
+	for _, line := range strings.Split(info, "\n") {
+		if k, v, ok := strings.Cut(strings.TrimSpace(line), ":"); ok {
+			fields[k] = v
+		}
+	}
+	aof := fields["aof_enabled"] == "1"
+	fsync := "unknown (CONFIG GET refused)"
+	if v, err := c.ConfigGet(ctx, "appendfsync").Result(); err == nil && v["appendfsync"] != "" {
+		fsync = v["appendfsync"]
+	}
+	save := ""
+	if v, err := c.ConfigGet(ctx, "save").Result(); err == nil {
+		save = v["save"]
+	}
+	d := idem.Durability{}
+	switch {
+	case aof && fsync == "always":
+		d.CrashSafe = true
+		d.Detail = "appendonly yes, appendfsync always: every write is on disk before Redis answers"
+	case aof:
+		d.Detail = "appendonly yes, appendfsync " + fsync + ": a crash loses the writes of the last second or so"
+	case save != "":
+		d.Detail = "appendonly no, snapshots (save " + save + "): a crash loses every write since the last snapshot"
+	default:
+		d.Detail = "appendonly no, no snapshots: a restart loses every record"
+	}
+	return d, fields["run_id"], nil
 }

@@ -438,3 +438,29 @@ func translate(op string, err error) error {
 	}
 	return fmt.Errorf("sqlitestore: %s: %w", op, err)
 }
+
+var _ idem.DurabilityReporter = (*Store)(nil)
+
+// Durability implements [idem.DurabilityReporter] from the database's
+// journal mode and synchronous setting: with WAL and synchronous=FULL (what
+// [Open] sets), a write is on disk before the call returns.
+func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+	var mode string
+	var sync int
+	if err := s.db.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
+		return idem.Durability{}, translate("durability", err)
+	}
+	if err := s.db.QueryRowContext(ctx, "PRAGMA synchronous").Scan(&sync); err != nil {
+		return idem.Durability{}, translate("durability", err)
+	}
+	names := map[int]string{0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+	d := idem.Durability{Detail: fmt.Sprintf("journal_mode=%s, synchronous=%s", mode, names[sync])}
+	switch {
+	case sync >= 2 || (sync == 1 && mode != "wal"):
+		d.CrashSafe = true
+		d.Detail += ": every write is on disk before the store answers"
+	default:
+		d.Detail += ": a crash of the machine may lose the last writes"
+	}
+	return d, nil
+}

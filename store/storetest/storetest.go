@@ -61,6 +61,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"CheckpointsRecorded", testCheckpointsRecorded},
 		{"CheckpointEndsTakeover", testCheckpointEndsTakeover},
 		{"CheckpointNeedsRunningLease", testCheckpointNeedsRunningLease},
+		{"DurabilityReported", testDurabilityReported},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -1040,5 +1041,25 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	wantErr(t, "Checkpoint after completion", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
 	if n := len(h.get(t, "s", "k").Checkpoints); n != 1 {
 		t.Fatalf("%d checkpoints stored, want only the valid one", n)
+	}
+}
+
+// testDurabilityReported: every store says what a crash of its server would
+// cost, and names the same server run twice in a row.
+func testDurabilityReported(t *testing.T, h *harness) {
+	r, ok := h.store.(idem.DurabilityReporter)
+	if !ok {
+		t.Fatalf("%T does not implement idem.DurabilityReporter", h.store)
+	}
+	first, err := r.Durability(ctx)
+	if err != nil {
+		t.Fatalf("Durability: %v", err)
+	}
+	if first.Detail == "" {
+		t.Fatalf("Durability %+v says nothing", first)
+	}
+	second, err := r.Durability(ctx)
+	if err != nil || second != first {
+		t.Fatalf("Durability again = %+v, %v; want %+v", second, err, first)
 	}
 }
