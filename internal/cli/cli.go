@@ -145,6 +145,16 @@ var proxySettings = []setting{
 		}},
 	{"wait", "IDEM_WAIT", "let a duplicate wait this long for the first request instead of a 409 (default 0)",
 		duration(func(c *proxy.Config) *time.Duration { return &c.Defaults.Wait })},
+	{"store-timeout", "IDEM_STORE_TIMEOUT", "bound on each store call for a request, retries included (default 5s)",
+		duration(func(c *proxy.Config) *time.Duration { return &c.StoreTimeout })},
+	{"journal-dir", "IDEM_JOURNAL_DIR", "directory where outcomes wait while the store is unreachable, or none (default " + proxy.DefaultJournalDir + ")",
+		text(func(c *proxy.Config) *string { return &c.JournalDir })},
+	{"read-timeout", "IDEM_READ_TIMEOUT", "bound on reading a whole request, body included (default 30s)",
+		duration(func(c *proxy.Config) *time.Duration { return &c.ReadTimeout })},
+	{"write-timeout", "IDEM_WRITE_TIMEOUT", "bound from a request's headers to the end of its response; keep it above upstream-timeout + wait (default 90s)",
+		duration(func(c *proxy.Config) *time.Duration { return &c.WriteTimeout })},
+	{"idle-timeout", "IDEM_IDLE_TIMEOUT", "close a kept-alive client connection idle this long (default 60s)",
+		duration(func(c *proxy.Config) *time.Duration { return &c.IdleTimeout })},
 }
 
 // loadProxyConfig builds the configuration: the YAML file (from --config or
@@ -221,7 +231,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 2
 	}
-	opened, err := storeopen.Open(ctx, cfg.Store)
+	opened, err := storeopen.OpenEventually(ctx, cfg.Store)
 	if err != nil {
 		fmt.Fprintln(stderr, "idem proxy: opening the store:", err)
 		return 1
@@ -240,15 +250,49 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 			return 1
 		}
 	}
-	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Notifier: notifier, Lease: cfg.Lease, Retention: cfg.Retention})
+	journal := cmp.Or(cfg.JournalDir, proxy.DefaultJournalDir)
+	if journal == "none" {
+		journal = ""
+	}
+	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Notifier: notifier, Lease: cfg.Lease,
+		Retention: cfg.Retention, StoreTimeout: cfg.StoreTimeout, JournalDir: journal, Logger: log})
 	if err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 2
 	}
+	defer closeEngine(eng, cmp.Or(cfg.ShutdownTimeout, proxy.DefaultShutdownTimeout), log)
+	health := watchHealth(ctx, eng, opened, tel, log)
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics()}
-	if err := proxy.Serve(ctx, cfg, eng, log, hooks, nil); err != nil {
+	if err := proxy.Serve(ctx, cfg, eng, health, log, hooks, nil); err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 1
 	}
 	return 0
+}
+
+// healthEvery is how often a server looks at its store's health.
+const healthEvery = 10 * time.Second
+
+// watchHealth starts looking at the store's health until ctx ends, and
+// publishes it in the metrics.
+func watchHealth(ctx context.Context, eng *idem.Engine, opened *storeopen.Opened, tel *telemetry.Telemetry, log *slog.Logger) *proxy.Health {
+	health := proxy.NewHealth(eng, opened.Store, opened.Kind, log)
+	health.Start(ctx, healthEvery)
+	tel.Health(opened.Kind, func() (bool, bool, int, int) {
+		st := health.Status()
+		return st.Reachable, st.Known && st.Durability.CrashSafe, st.Restarts, st.Pending
+	})
+	return health
+}
+
+// closeEngine lands what waits in the engine's journal, for as long as the
+// shutdown allows, and says what is left.
+func closeEngine(eng *idem.Engine, within time.Duration, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	if err := eng.Close(ctx); err != nil {
+		log.Error("shutting down with outcomes the store has not taken", "err", err)
+		return
+	}
+	log.Info("shut down")
 }

@@ -32,6 +32,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner")
 	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
 	admin := fs.String("admin-listen", "127.0.0.1:8091", "address of /healthz, /readyz and /metrics (empty: off)")
+	journal := fs.String("journal-dir", "idem-demo-journal", "directory where outcomes wait while the store is unreachable")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -58,17 +59,18 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return fail(err)
 	}
 	defer tel.Shutdown(context.WithoutCancel(ctx))
-	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Lease: *lease})
+	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Lease: *lease, JournalDir: *journal, Logger: log})
 	if err != nil {
 		return fail(err)
 	}
+	defer closeEngine(eng, proxy.DefaultShutdownTimeout, log)
 	servers := []*http.Server{}
 	serve := func(addr string, h http.Handler) (string, error) {
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
 			return "", err
 		}
-		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		srv := proxy.Timeouts{}.Server(h, log)
 		servers = append(servers, srv)
 		go srv.Serve(ln)
 		return "http://" + ln.Addr().String(), nil
@@ -108,7 +110,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return fail(err)
 	}
 	if *admin != "" {
-		url, err := serve(*admin, proxy.Admin(eng, tel.Metrics()))
+		url, err := serve(*admin, proxy.Admin(watchHealth(ctx, eng, opened, tel, log), tel.Metrics()))
 		if err != nil {
 			return fail(err)
 		}

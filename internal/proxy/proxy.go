@@ -40,7 +40,55 @@ const (
 	DefaultScopeHeader     = "Authorization"
 	DefaultUpstreamTimeout = 60 * time.Second
 	DefaultShutdownTimeout = 30 * time.Second
+	// DefaultJournalDir is where outcomes wait while the store is away,
+	// relative to the working directory.
+	DefaultJournalDir = "idem-journal"
 )
+
+// Defaults for [Timeouts].
+const (
+	DefaultReadHeaderTimeout = 10 * time.Second
+	DefaultReadTimeout       = 30 * time.Second
+	DefaultWriteTimeout      = 90 * time.Second
+	DefaultIdleTimeout       = 60 * time.Second
+	DefaultMaxHeaderBytes    = 64 << 10
+)
+
+// Timeouts bound what a client connection may hold: a client that sends its
+// request slowly (slowloris), or keeps an idle connection open, is cut off.
+type Timeouts struct {
+	// ReadHeaderTimeout bounds the reading of a request's headers. Defaults
+	// to [DefaultReadHeaderTimeout].
+	ReadHeaderTimeout time.Duration `yaml:"read_header_timeout"`
+	// ReadTimeout bounds the reading of a whole request, body included; a
+	// body not all there by then is refused (400) before anything runs.
+	// Defaults to [DefaultReadTimeout].
+	ReadTimeout time.Duration `yaml:"read_timeout"`
+	// WriteTimeout bounds the time from the end of a request's headers to
+	// the end of its response; keep it above upstream_timeout plus wait.
+	// (An answer cut off by it is still stored, and the retry replays it.)
+	// Defaults to [DefaultWriteTimeout].
+	WriteTimeout time.Duration `yaml:"write_timeout"`
+	// IdleTimeout closes a kept-alive connection that sends no new request
+	// for this long. Defaults to [DefaultIdleTimeout].
+	IdleTimeout time.Duration `yaml:"idle_timeout"`
+	// MaxHeaderBytes bounds the size of a request's headers. Defaults to
+	// [DefaultMaxHeaderBytes].
+	MaxHeaderBytes int `yaml:"max_header_bytes"`
+}
+
+// Server returns an http.Server for h with these limits.
+func (t Timeouts) Server(h http.Handler, log *slog.Logger) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: cmp.Or(t.ReadHeaderTimeout, DefaultReadHeaderTimeout),
+		ReadTimeout:       cmp.Or(t.ReadTimeout, DefaultReadTimeout),
+		WriteTimeout:      cmp.Or(t.WriteTimeout, DefaultWriteTimeout),
+		IdleTimeout:       cmp.Or(t.IdleTimeout, DefaultIdleTimeout),
+		MaxHeaderBytes:    cmp.Or(t.MaxHeaderBytes, DefaultMaxHeaderBytes),
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+}
 
 // Config is the proxy's configuration. Flags, IDEM_* environment variables
 // and the YAML file all fill this one struct.
@@ -64,6 +112,15 @@ type Config struct {
 	// Default to idem.DefaultLease and idem.DefaultRetention.
 	Lease     time.Duration `yaml:"lease"`
 	Retention time.Duration `yaml:"retention"`
+	// StoreTimeout bounds each store call made for a request, retries
+	// included. Defaults to idem.DefaultStoreTimeout.
+	StoreTimeout time.Duration `yaml:"store_timeout"`
+	// JournalDir is where outcomes wait, synced to disk, while the store
+	// cannot be reached; a restart stores what it finds there. Defaults to
+	// [DefaultJournalDir].
+	JournalDir string `yaml:"journal_dir"`
+	// Timeouts bound client connections.
+	Timeouts `yaml:",inline"`
 	// Defaults are the rules for requests that match no route.
 	Defaults Rules `yaml:"defaults"`
 	// Routes are matched like net/http ServeMux patterns, most specific
@@ -349,9 +406,9 @@ func isTimeout(err error) bool {
 	return errors.As(err, &ne) && ne.Timeout()
 }
 
-// Admin serves /healthz (the process is up), /readyz (the store answers)
-// and, when metrics is not nil, /metrics.
-func Admin(eng *idem.Engine, metrics http.Handler) http.Handler {
+// Admin serves /healthz (the process is up), /readyz (the store answers,
+// and what health knows of it) and, when metrics is not nil, /metrics.
+func Admin(health *Health, metrics http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	if metrics != nil {
 		mux.Handle("GET /metrics", metrics)
@@ -362,12 +419,12 @@ func Admin(eng *idem.Engine, metrics http.Handler) http.Handler {
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 		defer cancel()
-		_, err := eng.Get(ctx, "", "idem-readiness-probe")
-		if err != nil && !errors.Is(err, idem.ErrNotFound) {
-			http.Error(w, "store unavailable: "+err.Error(), http.StatusServiceUnavailable)
-			return
+		st := health.Check(ctx)
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if !st.Reachable {
+			w.WriteHeader(http.StatusServiceUnavailable)
 		}
-		fmt.Fprintln(w, "ready")
+		io.WriteString(w, st.String())
 	})
 	return mux
 }
@@ -375,8 +432,8 @@ func Admin(eng *idem.Engine, metrics http.Handler) http.Handler {
 // Serve runs the proxy (and the admin listener, when configured) until ctx
 // is cancelled, then shuts down gracefully: in-flight requests finish and
 // store their outcome. ready, when not nil, receives the proxied address once
-// listening.
-func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks, ready func(addr, admin string)) error {
+// listening. The engine is the caller's to close.
+func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, log *slog.Logger, hooks Hooks, ready func(addr, admin string)) error {
 	h, err := Handler(cfg, eng, log, hooks)
 	if err != nil {
 		return err
@@ -385,7 +442,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, 
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	srv := cfg.Timeouts.Server(h, log)
 	servers := []*http.Server{srv}
 	errs := make(chan error, 2)
 	adminAddr := ""
@@ -396,7 +453,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, log *slog.Logger, 
 			return err
 		}
 		adminAddr = aln.Addr().String()
-		admin := &http.Server{Handler: Admin(eng, hooks.Metrics), ReadHeaderTimeout: 10 * time.Second}
+		admin := cfg.Timeouts.Server(Admin(health, hooks.Metrics), log)
 		servers = append(servers, admin)
 		go func() { errs <- admin.Serve(aln) }()
 	}

@@ -303,16 +303,20 @@ func TestAdmin(t *testing.T) {
 		store idem.Store
 		ready int
 	}{"up": {memstore.New(), 200}, "down": {downStore{memstore.New()}, 503}} {
-		srv := httptest.NewServer(proxy.Admin(mustEngine(t, c.store), nil))
+		srv := httptest.NewServer(proxy.Admin(proxy.NewHealth(mustEngine(t, c.store), c.store, "memory", quiet), nil))
 		defer srv.Close()
 		for path, want := range map[string]int{"/healthz": 200, "/readyz": c.ready} {
 			resp, err := http.Get(srv.URL + path)
 			if err != nil {
 				t.Fatal(err)
 			}
+			body, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			if resp.StatusCode != want {
 				t.Errorf("store %s: %s = %d, want %d", name, path, resp.StatusCode, want)
+			}
+			if path == "/readyz" && c.ready == 200 && !strings.Contains(string(body), "durability: NOT crash-safe (memory:") {
+				t.Errorf("store %s: /readyz does not say what a crash costs:\n%s", name, body)
 			}
 		}
 	}
@@ -334,7 +338,7 @@ func TestGracefulShutdown(t *testing.T) {
 	addr := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, quiet, proxy.Hooks{},
+		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, nil, quiet, proxy.Hooks{},
 			func(a, _ string) { addr <- a })
 	}()
 	url := "http://" + <-addr + "/pay"

@@ -69,6 +69,24 @@ func (c *closer) close() error {
 	return c.store()
 }
 
+// kindOf names the store kind of a DSN scheme, as Opened.Kind does.
+func kindOf(scheme string) string {
+	switch scheme {
+	case "memory", "mem":
+		return "memory"
+	case "sqlite", "sqlite3", "file":
+		return "sqlite"
+	case "postgres", "postgresql":
+		return "postgres"
+	case "redis", "rediss", "redis+cluster", "rediss+cluster":
+		return "redis"
+	}
+	return scheme
+}
+
+// dynamoMaxBody is the DynamoDB store's body limit.
+const dynamoMaxBody = dynamostore.MaxBodyBytes
+
 // Open opens the store named by dsn.
 func Open(ctx context.Context, dsn string) (*Opened, error) {
 	scheme, rest, _ := strings.Cut(dsn, ":")

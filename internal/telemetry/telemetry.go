@@ -103,6 +103,41 @@ func (t *Telemetry) Metrics() http.Handler {
 	return promhttp.HandlerFor(t.registry, promhttp.HandlerOpts{})
 }
 
+// Health registers the gauges of a store's health, read from status at
+// each scrape: idem_store_up, idem_store_crash_safe,
+// idem_store_restarts_total and idem_journal_pending.
+func (t *Telemetry) Health(store string, status func() (up, crashSafe bool, restarts, pending int)) {
+	labels := prometheus.Labels{"store": store}
+	b := func(v bool) float64 {
+		if v {
+			return 1
+		}
+		return 0
+	}
+	t.registry.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idem_store_up", ConstLabels: labels,
+			Help: "1 when the store answered the last health check."}, func() float64 {
+			up, _, _, _ := status()
+			return b(up)
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idem_store_crash_safe", ConstLabels: labels,
+			Help: "1 when the store's server keeps every acknowledged write across a crash (from its settings); 0 when a crash loses records."}, func() float64 {
+			_, safe, _, _ := status()
+			return b(safe)
+		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idem_store_restarts_total", ConstLabels: labels,
+			Help: "Restarts (or failovers) of the store's server seen since start."}, func() float64 {
+			_, _, restarts, _ := status()
+			return float64(restarts)
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idem_journal_pending",
+			Help: "Outcomes waiting in the journal for the store to take them."}, func() float64 {
+			_, _, _, pending := status()
+			return float64(pending)
+		}),
+	)
+}
+
 // Observe counts what became of a request, for httpidem.Config.Observe, and
 // labels its span.
 func (t *Telemetry) Observe(r *http.Request, outcome string) {
