@@ -39,6 +39,8 @@ type Stats struct {
 	Accepted, Refused, Cut int64
 	// RepliesDropped and RequestsDropped count the chunks lost on purpose.
 	RepliesDropped, RequestsDropped int64
+	// Held counts the chunks waiting, right now, for a pause to end.
+	Held int64
 }
 
 // Proxy forwards TCP connections from its own address to a target address.
@@ -54,8 +56,8 @@ type Proxy struct {
 	rng       *mrand.Rand
 	closed    bool
 
-	accepted, refused, cut, repliesDropped, requestsDropped atomic.Int64
-	wg                                                      sync.WaitGroup
+	accepted, refused, cut, repliesDropped, requestsDropped, held atomic.Int64
+	wg                                                            sync.WaitGroup
 }
 
 // link is one proxied connection: client side and server side.
@@ -162,7 +164,7 @@ func (p *Proxy) Pause() (resume func()) {
 // Stats returns the counts so far.
 func (p *Proxy) Stats() Stats {
 	return Stats{Accepted: p.accepted.Load(), Refused: p.refused.Load(), Cut: p.cut.Load(),
-		RepliesDropped: p.repliesDropped.Load(), RequestsDropped: p.requestsDropped.Load()}
+		RepliesDropped: p.repliesDropped.Load(), RequestsDropped: p.requestsDropped.Load(), Held: p.held.Load()}
 }
 
 // Close stops listening and cuts every connection.
@@ -240,7 +242,9 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, reply bool) {
 		if n > 0 {
 			drop, latency, gate := p.decide(reply)
 			if gate != nil {
+				p.held.Add(1)
 				<-gate
+				p.held.Add(-1)
 			}
 			if latency > 0 {
 				time.Sleep(latency)

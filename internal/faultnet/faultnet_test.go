@@ -127,10 +127,9 @@ func TestPauseHoldsBytesUntilResumed(t *testing.T) {
 	defer c.Close()
 	resume := p.Pause()
 	c.Write([]byte("held\n"))
-	select {
-	case line := <-got:
-		t.Fatalf("the server got %q while paused", line)
-	case <-time.After(100 * time.Millisecond):
+	wait.Until(t, 5*time.Second, "the line to be held", func() bool { return p.Stats().Held == 1 })
+	if len(got) != 0 {
+		t.Fatalf("the server got %q while paused", <-got)
 	}
 	resume()
 	if line := wait.Recv(t, got, 5*time.Second, "the held line after resume"); line != "held\n" {

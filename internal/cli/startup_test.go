@@ -1,0 +1,232 @@
+package cli_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/wait"
+)
+
+// logLines collects a process's log lines for a test to look at.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) add(line string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, line)
+}
+
+func (l *logLines) has(sub string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.Contains(line, sub) {
+			return true
+		}
+	}
+	return false
+}
+
+// startProxyLogged is startProxy that keeps the proxy's log lines.
+func startProxyLogged(t *testing.T, args ...string) (proxy, admin string, logs *logLines) {
+	t.Helper()
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"}, args...)...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	logs = &logLines{}
+	addr := make(chan []string, 1)
+	go func() {
+		lines := bufio.NewScanner(stderr)
+		for lines.Scan() {
+			logs.add(lines.Text())
+			if m := listening.FindStringSubmatch(lines.Text()); m != nil {
+				addr <- m
+			}
+		}
+		close(addr)
+	}()
+	m, ok := <-addr
+	if !ok {
+		t.Fatalf("idem proxy exited before listening: %q", logs.lines)
+	}
+	return "http://" + m[1], "http://" + strings.Trim(m[2], `"`), logs
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestProxyStartsWhileStoreIsDown: whatever the store, `idem proxy` started
+// while its store cannot be reached starts all the same, says not ready,
+// refuses keyed requests with 503 quickly, and serves as soon as the store
+// answers.
+func TestProxyStartsWhileStoreIsDown(t *testing.T) {
+	var runs sync.Map
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := runs.LoadOrStore(r.Header.Get("Idempotency-Key"), new(int))
+		*n.(*int)++
+		w.WriteHeader(201)
+		fmt.Fprint(w, "ran")
+	}))
+	defer upstream.Close()
+	for _, tc := range []struct{ name, env string }{{"postgres", "IDEM_TEST_DATABASE_URL"}, {"redis", "IDEM_TEST_REDIS_URL"}} {
+		t.Run(tc.name, func(t *testing.T) {
+			server := os.Getenv(tc.env)
+			if server == "" {
+				t.Skipf("set %s to check start-up with the store down on %s", tc.env, tc.name)
+			}
+			u, err := url.Parse(server)
+			if err != nil {
+				t.Fatal(err)
+			}
+			faults, err := faultnet.Listen(u.Host)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer faults.Close()
+			end := faults.Outage()
+			u.Host = faults.Addr()
+			q := u.Query()
+			name := "idem_startup_" + strconv.FormatInt(time.Now().UnixNano(), 36)
+			q.Set(map[string]string{"postgres": "idem_schema", "redis": "idem_prefix"}[tc.name], name)
+			if tc.name == "postgres" {
+				t.Cleanup(func() { dropSchema(server, name) })
+			}
+			u.RawQuery = q.Encode()
+			proxyURL, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", u.String(),
+				"--journal-dir", t.TempDir(), "--store-timeout", "500ms")
+			if status, body := get(t, admin+"/readyz"); status != 503 || !strings.Contains(body, "not ready") {
+				t.Fatalf("/readyz with the store down: %d %q", status, body)
+			}
+			began := time.Now()
+			if status, body, err := post(proxyURL+"/v1/charges", "startup-"+tc.name); err != nil || status != 503 {
+				t.Fatalf("a keyed request with the store down: %d %q %v; want 503", status, body, err)
+			}
+			if took := time.Since(began); took > 3*time.Second {
+				t.Fatalf("the 503 took %v", took)
+			}
+			if !logs.has("the store cannot be reached") {
+				t.Fatal("nothing in the log says the store cannot be reached")
+			}
+			end()
+			wait.Until(t, 20*time.Second, "/readyz to say ready once the store answers", func() bool {
+				status, _ := get(t, admin+"/readyz")
+				return status == 200
+			})
+			if status, body, err := post(proxyURL+"/v1/charges", "startup-"+tc.name); err != nil || status != 201 || body != "ran" {
+				t.Fatalf("a keyed request once the store answers: %d %q %v; want it to run", status, body, err)
+			}
+		})
+	}
+}
+
+// freePort returns a TCP port nothing listens on (now).
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+}
+
+// startRedis runs a Redis server of the test's own, without persistence,
+// on port, and returns it.
+func startRedis(t *testing.T, port string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", t.TempDir())
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	wait.Until(t, 10*time.Second, "redis-server to listen", func() bool {
+		c, err := net.Dial("tcp", "127.0.0.1:"+port)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	return cmd
+}
+
+// TestRedisRestartIsNoticed: a Redis that keeps nothing on disk is
+// restarted under a running proxy. The proxy said from the start that a
+// crash of its store loses records, and it notices the restart (the run_id
+// changes): loudly in its log, on /readyz and in its metrics.
+func TestRedisRestartIsNoticed(t *testing.T) {
+	if os.Getenv("IDEM_TEST_REDIS_URL") == "" {
+		t.Skip("set IDEM_TEST_REDIS_URL to run the Redis tests (this one starts its own redis-server)")
+	}
+	port := freePort(t)
+	redis := startRedis(t, port)
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))
+	defer upstream.Close()
+	_, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0",
+		"--journal-dir", filepath.Join(t.TempDir(), "journal"))
+	status, body := get(t, admin+"/readyz")
+	if status != 200 || !strings.Contains(body, "durability: NOT crash-safe (appendonly no, no snapshots: a restart loses every record)") ||
+		!strings.Contains(body, "restarts seen: 0") {
+		t.Fatalf("/readyz before the restart: %d\n%s", status, body)
+	}
+	if !logs.has("a crash of the store loses records") {
+		t.Fatal("the log never said that a crash of the store loses records")
+	}
+	redis.Process.Kill()
+	redis.Wait()
+	startRedis(t, port)
+	wait.Until(t, 20*time.Second, "/readyz to count the restart", func() bool {
+		_, body := get(t, admin+"/readyz")
+		return strings.Contains(body, "restarts seen: 1")
+	})
+	if !logs.has("THE STORE'S SERVER RESTARTED") {
+		t.Fatal("the log never said loudly that the store restarted")
+	}
+	if _, metrics := get(t, admin+"/metrics"); !strings.Contains(metrics, `idem_store_restarts_total{store="redis"} 1`) ||
+		!strings.Contains(metrics, `idem_store_crash_safe{store="redis"} 0`) {
+		t.Fatalf("/metrics lacks the restart or the durability:\n%s", metrics)
+	}
+}
+
+// dropSchema drops a schema a test made, with everything in it.
+func dropSchema(dsn, schema string) {
+	c, err := pgx.Connect(context.Background(), dsn)
+	if err == nil {
+		c.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		c.Close(context.Background())
+	}
+}
