@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -99,6 +100,7 @@ type Engine struct {
 	local        localNotifier
 	journal      *journal
 	log          *slog.Logger
+	down         atomic.Bool // the store has not answered for a whole store timeout
 }
 
 // New returns an engine for cfg. With a JournalDir, it reads the outcomes a
@@ -170,18 +172,23 @@ func retryPause(n int) time.Duration {
 
 // retry runs op until it succeeds, fails with something other than
 // [ErrUnavailable], or the store timeout has run out; op gets each attempt's
-// context. It returns op's last error.
+// context. It returns op's last error. Once the store has failed a whole
+// store timeout, it counts as down, and calls make one attempt each (failing
+// fast, closed) until one succeeds.
 func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) error {
+	down := e.down.Load()
 	deadline := time.Now().Add(e.storeTimeout)
 	for n := 0; ; n++ {
 		actx, cancel := e.storeCtx(ctx, deadline)
 		err := op(actx)
 		cancel()
 		if err == nil || !errors.Is(err, ErrUnavailable) {
+			e.down.Store(false)
 			return err
 		}
 		pause := retryPause(n)
-		if time.Until(deadline) < pause {
+		if down || time.Until(deadline) < pause {
+			e.down.Store(true)
 			return err
 		}
 		time.Sleep(pause)

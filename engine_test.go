@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -201,5 +202,54 @@ func TestHoldStopsWithParent(t *testing.T) {
 	wait.Recv(t, held.Done(), 5*time.Second, "the held context to end with its parent")
 	if got := stop(); got.Token != l.Token {
 		t.Fatalf("stop returned %+v", got)
+	}
+}
+
+// flakyStore fails every Acquire with ErrUnavailable while down, and counts
+// the attempts.
+type flakyStore struct {
+	idem.Store
+	down     atomic.Bool
+	attempts atomic.Int64
+}
+
+func (s *flakyStore) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+	s.attempts.Add(1)
+	if s.down.Load() {
+		return idem.Record{}, idem.ErrUnavailable
+	}
+	return s.Store.Acquire(ctx, p)
+}
+
+// TestStoreKnownDownFailsFast: a store call whose answer is lost is tried
+// again until the store timeout runs out; once a whole timeout has passed
+// without an answer the store counts as down, and each call tries once, so
+// requests fail closed at once, until the store answers again.
+func TestStoreKnownDownFailsFast(t *testing.T) {
+	s := &flakyStore{Store: memstore.New()}
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	begin := func(key string) error {
+		_, err := e.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload})
+		return err
+	}
+	s.down.Store(true)
+	if err := begin("a"); !errors.Is(err, idem.ErrUnavailable) || s.attempts.Load() < 2 {
+		t.Fatalf("first call with the store down: %v after %d attempts; want ErrUnavailable after retries", err, s.attempts.Load())
+	}
+	s.attempts.Store(0)
+	if err := begin("b"); !errors.Is(err, idem.ErrUnavailable) || s.attempts.Load() != 1 {
+		t.Fatalf("a call once the store is known down: %v after %d attempts; want one attempt", err, s.attempts.Load())
+	}
+	s.down.Store(false)
+	if err := begin("c"); err != nil {
+		t.Fatalf("once the store answers: %v", err)
+	}
+	s.down.Store(true)
+	s.attempts.Store(0)
+	if err := begin("d"); !errors.Is(err, idem.ErrUnavailable) || s.attempts.Load() < 2 {
+		t.Fatalf("after the store had answered again: %d attempts; want retries again", s.attempts.Load())
 	}
 }

@@ -259,6 +259,7 @@ func (j *journal) land(ent *journalEntry) bool {
 		return false
 	}
 	log := j.e.log.With("key_hash", keyHash(p.Scope, p.Key), "state", p.State)
+	j.e.down.Store(false)
 	switch {
 	case err == nil:
 		log.Info("idem journal: stored an outcome that had waited for the store")

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/memstore"
 )
 
@@ -31,7 +32,7 @@ func TestWaiters(t *testing.T) {
 	if len(a) != 1 || len(b) != 0 {
 		t.Fatalf("after waking a: a holds %d, b holds %d", len(a), len(b))
 	}
-	<-a
+	wait.Recv(t, a, time.Second, "the wake-up already in a")
 	cancelA()
 	w.WakeAll()
 	if len(a) != 0 || len(b) != 1 {
@@ -75,7 +76,7 @@ func TestAwaitWakesOnComplete(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, w := range waiters {
-		if out := <-w; out.Decision != idem.Replay || string(out.Record.Response.Body) != "done" {
+		if out := wait.Recv(t, w, 10*time.Second, "the waiter"); out.Decision != idem.Replay || string(out.Record.Response.Body) != "done" {
 			t.Fatalf("waiter got %v, want the replay", out.Decision)
 		}
 	}
@@ -87,7 +88,7 @@ func TestAwaitRunsAfterRelease(t *testing.T) {
 	if err := e.Release(ctx, l); err != nil {
 		t.Fatal(err)
 	}
-	if out := <-w; out.Decision != idem.Execute || out.Lease.Fence != 2 {
+	if out := wait.Recv(t, w, 10*time.Second, "the waiter"); out.Decision != idem.Execute || out.Lease.Fence != 2 {
 		t.Fatalf("waiter after release got %v fence %d, want to execute with fence 2", out.Decision, out.Lease.Fence)
 	}
 }
@@ -95,7 +96,7 @@ func TestAwaitRunsAfterRelease(t *testing.T) {
 func TestAwaitGivesUp(t *testing.T) {
 	e, _ := awaitSetup(t, idem.Config{Store: memstore.New()})
 	start := time.Now()
-	out := <-await(e, 50*time.Millisecond)
+	out := wait.Recv(t, await(e, 50*time.Millisecond), 10*time.Second, "the waiter to give up")
 	if out.Decision != idem.InFlight || time.Since(start) < 50*time.Millisecond {
 		t.Fatalf("got %v after %v, want in flight after the 50ms wait", out.Decision, time.Since(start))
 	}
@@ -113,7 +114,7 @@ func TestAwaitWokenByOtherInstance(t *testing.T) {
 	if err := first.Complete(ctx, l, &idem.Response{Status: 200}); err != nil {
 		t.Fatal(err)
 	}
-	if out := <-w; out.Decision != idem.Replay {
+	if out := wait.Recv(t, w, 10*time.Second, "the waiter on the other instance"); out.Decision != idem.Replay {
 		t.Fatalf("waiter on the other instance got %v, want the replay", out.Decision)
 	}
 }

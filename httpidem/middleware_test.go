@@ -17,6 +17,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -207,7 +208,10 @@ func newGate() *gate { return &gate{started: make(chan struct{}, 10), release: m
 
 func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.started <- struct{}{}
-	<-g.release
+	select { // released by the test; bounded, so that a failed test never hangs in cleanup
+	case <-g.release:
+	case <-time.After(time.Minute):
+	}
 	w.WriteHeader(201)
 	io.WriteString(w, "done")
 }
@@ -219,14 +223,14 @@ func TestConcurrentDuplicateConflicts(t *testing.T) {
 		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
 		first := make(chan reply)
 		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
-		<-g.started
+		wait.Recv(t, g.started, 10*time.Second, "the handler to start")
 		r := send(t, srv, "POST", "/pay", "k", "x")
 		wantProblem(t, r, 409, httpidem.ProblemInProgress)
 		if r.header.Get("Retry-After") != "1" {
 			t.Fatalf("409 in progress with Retry-After %q, want 1", r.header.Get("Retry-After"))
 		}
 		close(g.release)
-		if got := <-first; got.status != 201 {
+		if got := wait.Recv(t, first, 10*time.Second, "the first request's answer"); got.status != 201 {
 			t.Fatalf("first = %d", got.status)
 		}
 		if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.body != "done" {
@@ -262,13 +266,14 @@ func TestWaitModeReplaysFirstOutcome(t *testing.T) {
 		srv := serve(t, httpidem.Config{Engine: eng, Wait: time.Minute}, a)
 		first := make(chan reply)
 		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
-		<-g.started
-		<-sig.acquired // the first's
+		wait.Recv(t, g.started, 10*time.Second, "the handler to start")
+		wait.Recv(t, sig.acquired, 10*time.Second, "the first's acquire")
 		second := make(chan reply)
 		go func() { second <- send(t, srv, "POST", "/pay", "k", "x") }()
-		<-sig.acquired // the second saw the first in flight and now waits
+		wait.Recv(t, sig.acquired, 10*time.Second, "the second's acquire, which finds the first in flight")
 		close(g.release)
-		f, s := <-first, <-second
+		f := wait.Recv(t, first, 10*time.Second, "the first's answer")
+		s := wait.Recv(t, second, 10*time.Second, "the waiting duplicate's answer")
 		if f.status != 201 || s.status != 201 || s.body != "done" || s.header.Get("Idempotent-Replayed") != "true" {
 			t.Fatalf("first %d, waiting duplicate %d %q replayed=%q", f.status, s.status, s.body, s.header.Get("Idempotent-Replayed"))
 		}
@@ -376,7 +381,10 @@ func (downStore) Acquire(context.Context, idem.AcquireParams) (idem.Record, erro
 
 func TestStoreDownFailsClosed(t *testing.T) {
 	a := &app{handler: charge}
-	eng := newEngine(t, downStore{memstore.New()})
+	eng, err := idem.New(idem.Config{Store: downStore{memstore.New()}, StoreTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
 	closed := serve(t, httpidem.Config{Engine: eng}, a)
 	r := send(t, closed, "POST", "/pay", "k", "x")
 	wantProblem(t, r, 503, httpidem.ProblemStoreUnavailable)
@@ -531,7 +539,10 @@ func TestClientDisconnectDoesNotCancel(t *testing.T) {
 		ctxErr := make(chan error, 1)
 		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
 			g.started <- struct{}{}
-			<-g.release
+			select {
+			case <-g.release:
+			case <-time.After(time.Minute):
+			}
 			ctxErr <- r.Context().Err()
 			w.WriteHeader(201)
 			io.WriteString(w, "charged")
@@ -545,13 +556,13 @@ func TestClientDisconnectDoesNotCancel(t *testing.T) {
 			_, err := srv.Client().Do(req)
 			gone <- err
 		}()
-		<-g.started
+		wait.Recv(t, g.started, 10*time.Second, "the handler to start")
 		cancel()
-		if err := <-gone; err == nil {
+		if err := wait.Recv(t, gone, 10*time.Second, "the client to give up"); err == nil {
 			t.Fatal("the client's request did not fail")
 		}
 		close(g.release)
-		if err := <-ctxErr; err != nil {
+		if err := wait.Recv(t, ctxErr, 10*time.Second, "the handler to finish"); err != nil {
 			t.Fatalf("handler context ended with the client: %v", err)
 		}
 		if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.body != "charged" || a.runs.Load() != 1 {
@@ -581,12 +592,20 @@ func TestLostLeaseNeverOverwritesNewerOwner(t *testing.T) {
 		var calls atomic.Int64
 		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if calls.Add(1) == 1 {
-				<-r.Context().Done() // the lease is lost: the middleware cancels us
+				select {
+				case <-r.Context().Done(): // the lease is lost: the middleware cancels us
+				case <-time.After(time.Minute):
+					t.Error("the first owner's context was never cancelled")
+					return
+				}
 				if !strings.Contains(context.Cause(r.Context()).Error(), "lease lost") {
 					t.Errorf("cause = %v", context.Cause(r.Context()))
 				}
 				close(firstCancelled)
-				<-secondDone
+				select {
+				case <-secondDone:
+				case <-time.After(time.Minute):
+				}
 				io.WriteString(w, "stale first owner")
 				return
 			}
@@ -595,12 +614,12 @@ func TestLostLeaseNeverOverwritesNewerOwner(t *testing.T) {
 		srv := serve(t, httpidem.Config{Engine: eng, TakeoverSafe: true}, h)
 		first := make(chan reply)
 		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
-		<-firstCancelled
+		wait.Recv(t, firstCancelled, 10*time.Second, "the first owner's context to be cancelled")
 		if r := send(t, srv, "POST", "/pay", "k", "x"); r.body != "second owner" {
 			t.Fatalf("takeover got %d %q", r.status, r.body)
 		}
 		close(secondDone)
-		<-first
+		wait.Recv(t, first, 10*time.Second, "the stale first owner's answer")
 		for range 3 {
 			if r := send(t, srv, "POST", "/pay", "k", "x"); r.body != "second owner" || r.header.Get("Idempotent-Replayed") != "true" {
 				t.Fatalf("replay after the stale owner finished: %q", r.body)
@@ -626,7 +645,7 @@ func TestManyConcurrentDuplicatesRunOnce(t *testing.T) {
 			}()
 		}
 		close(start)
-		wg.Wait()
+		wait.Done(t, 60*time.Second, "200 concurrent duplicates to be answered", wg.Wait)
 		var body string
 		for _, r := range replies {
 			switch {

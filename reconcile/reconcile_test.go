@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
@@ -192,7 +193,7 @@ func TestConcurrentReconcilersSettleOnce(t *testing.T) {
 			reports[i] = rep
 		}()
 	}
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	var settled reconcile.Report
 	for _, r := range reports {
 		settled.Completed += r.Completed
@@ -219,7 +220,7 @@ func TestStartStop(t *testing.T) {
 	}
 	r.Start(ctx)
 	r.Start(ctx) // a second Start does nothing
-	<-asked      // the first pass runs at once
+	wait.Recv(t, asked, 10*time.Second, "the first pass, which Start runs at once")
 	r.Stop()
 	r.Stop()
 	if out := w.decide(t, "k"); out.Decision != idem.Execute {

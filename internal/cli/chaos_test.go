@@ -25,6 +25,7 @@ import (
 	"github.com/idemhq/idem/idemclient"
 	"github.com/idemhq/idem/internal/payments"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/wait"
 )
 
 // Chaos parameters: how many charges, how many clients at once.
@@ -200,7 +201,7 @@ func runChaos(t *testing.T, store string) {
 					dup := make(chan chaosClient)
 					go func() { dup <- attempt(key, bodies[i], mrand.New(mrand.NewPCG(uint64(i), 9))) }()
 					results[i] = attempt(key, bodies[i], rng)
-					if d := <-dup; d.status != results[i].status || d.body != results[i].body {
+					if d := wait.Recv(t, dup, 3*time.Minute, "the concurrent duplicate's final answer"); d.status != results[i].status || d.body != results[i].body {
 						t.Errorf("key %s: duplicates saw different outcomes: %d %s / %d %s", key, results[i].status, results[i].body, d.status, d.body)
 					}
 				} else {
@@ -226,8 +227,8 @@ func runChaos(t *testing.T, store string) {
 		keys <- i
 	}
 	close(keys)
-	wg.Wait()
-	<-killed
+	wait.Done(t, 10*time.Minute, "every client to get a final answer", wg.Wait)
+	wait.Recv(t, killed, time.Minute, "the killed service to restart")
 	elapsed := time.Since(began)
 
 	// Let the reconciler settle everything the acquirer can answer.

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/internal/cli"
+	"github.com/idemhq/idem/internal/wait"
 )
 
 var idemBin string
@@ -134,8 +135,8 @@ func TestKilledProxyNeverRunsTwice(t *testing.T) {
 	for _, path := range []string{"/charge", "/tx"} {
 		go post(url+path, "key"+path) // this client never hears back
 	}
-	<-started
-	<-started
+	wait.Recv(t, started, 10*time.Second, "the upstream to take the first request")
+	wait.Recv(t, started, 10*time.Second, "the upstream to take the second request")
 	proc.Process.Kill()
 	proc.Wait()
 

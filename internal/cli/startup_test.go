@@ -71,7 +71,13 @@ func startProxyLogged(t *testing.T, args ...string) (proxy, admin string, logs *
 		}
 		close(addr)
 	}()
-	m, ok := <-addr
+	var m []string
+	ok := false
+	select {
+	case m, ok = <-addr:
+	case <-time.After(30 * time.Second):
+		t.Fatal("idem proxy did not say it was listening within 30s")
+	}
 	if !ok {
 		t.Fatalf("idem proxy exited before listening: %q", logs.lines)
 	}

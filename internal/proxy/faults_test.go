@@ -96,7 +96,10 @@ func TestOutcomeSurvivesStoreOutage(t *testing.T) {
 	eng := engineOn(t, store, t.TempDir())
 	answer := make(chan struct{})
 	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
-		<-answer
+		select {
+		case <-answer:
+		case <-time.After(time.Minute):
+		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(201)
 		w.Write([]byte(`{"id":"ch_1","execution":` + strconv.Itoa(n) + `}`))

@@ -18,6 +18,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -131,7 +132,7 @@ func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
 				}()
 			}
 			close(gate)
-			wg.Wait()
+			wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 			outcomes, conflicts := 0, 0
 			for _, r := range replies {
 				switch {
@@ -329,7 +330,10 @@ func TestGracefulShutdown(t *testing.T) {
 	started, release := make(chan struct{}), make(chan struct{})
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		close(started)
-		<-release
+		select {
+		case <-release:
+		case <-time.After(time.Minute):
+		}
 		w.WriteHeader(201)
 		io.WriteString(w, "charged")
 	}))
@@ -341,7 +345,7 @@ func TestGracefulShutdown(t *testing.T) {
 		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, nil, quiet, proxy.Hooks{},
 			func(a, _ string) { addr <- a })
 	}()
-	url := "http://" + <-addr + "/pay"
+	url := "http://" + wait.Recv(t, addr, 10*time.Second, "the proxy to listen") + "/pay"
 	got := make(chan string, 1)
 	go func() {
 		req, _ := http.NewRequest("POST", url, strings.NewReader("x"))
@@ -355,13 +359,13 @@ func TestGracefulShutdown(t *testing.T) {
 		resp.Body.Close()
 		got <- string(b)
 	}()
-	<-started
+	wait.Recv(t, started, 10*time.Second, "the upstream to take the request")
 	cancel() // SIGTERM
 	close(release)
-	if body := <-got; body != "charged" {
+	if body := wait.Recv(t, got, 10*time.Second, "the in-flight request's answer"); body != "charged" {
 		t.Fatalf("in-flight request during shutdown got %q", body)
 	}
-	if err := <-done; err != nil {
+	if err := wait.Recv(t, done, 40*time.Second, "Serve to return after shutdown"); err != nil {
 		t.Fatalf("Serve: %v", err)
 	}
 	rec, err := eng.Get(context.Background(), "", "k") // no Authorization header: the empty scope

@@ -20,6 +20,7 @@ import (
 
 	"github.com/bradfitz/gomemcache/memcache"
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -791,7 +792,7 @@ func TestConcurrentWritesOneRecord(t *testing.T) {
 		}()
 	}
 	close(start)
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	close(errs)
 	for err := range errs {
 		if err != nil {
@@ -831,7 +832,7 @@ func TestConcurrentAcquiresOneIndex(t *testing.T) {
 		}()
 	}
 	close(start)
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	close(errs)
 	for err := range errs {
 		if err != nil {

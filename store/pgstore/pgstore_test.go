@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -166,7 +167,7 @@ func TestPruneRacesAcquire(t *testing.T) {
 			}
 		})
 	}
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	close(errs)
 	for err := range errs {
 		t.Fatal(err)
@@ -405,7 +406,7 @@ func TestConcurrentNewMigratesOnce(t *testing.T) {
 		})
 	}
 	close(start)
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	for i, err := range errs {
 		if err != nil {
 			t.Fatalf("New #%d: %v", i, err)
@@ -710,7 +711,7 @@ func TestAcquireRetriesAfterConcurrentCommit(t *testing.T) {
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
-			res := <-done
+			res := wait.Recv(t, done, 30*time.Second, "the acquire blocked on the uncommitted row")
 			if res.err != nil {
 				t.Fatalf("Acquire: %v", res.err)
 			}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/sqlitestore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -99,7 +100,7 @@ func TestTwoStoresOneFile(t *testing.T) {
 		}()
 	}
 	close(start)
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	if got[idem.Execute] != 1 || got[idem.InFlight] != storetest.Racers-1 {
 		t.Fatalf("decisions = %v, want exactly one execute", got)
 	}

@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 )
 
 // Racers is how many goroutines race for one key in the concurrency cases.
@@ -269,7 +270,7 @@ func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
 		}()
 	}
 	close(start)
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	for _, err := range errs {
 		if err != nil {
 			t.Fatalf("racer: %v", err)
@@ -394,7 +395,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 			}
 		}()
 	}
-	wg.Wait()
+	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
 	close(errs)
 	for err := range errs {
 		t.Error(err)
