@@ -170,6 +170,14 @@ func retryPause(n int) time.Duration {
 	return min(10*time.Millisecond<<(2*n), 500*time.Millisecond)
 }
 
+// answered notes that the store answered: it is not down, and when it was,
+// the journal sends what waits at once instead of after its pause.
+func (e *Engine) answered() {
+	if e.down.Swap(false) {
+		e.journal.poke()
+	}
+}
+
 // retry runs op until it succeeds, fails with something other than
 // [ErrUnavailable], or the store timeout has run out; op gets each attempt's
 // context. It returns op's last error. Once the store has failed a whole
@@ -183,7 +191,7 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 		err := op(actx)
 		cancel()
 		if err == nil || !errors.Is(err, ErrUnavailable) {
-			e.down.Store(false)
+			e.answered()
 			return err
 		}
 		pause := retryPause(n)
@@ -422,7 +430,11 @@ func (e *Engine) Settled(ctx context.Context, scope, key string) {
 
 // Get returns the live record under scope and key, or [ErrNotFound].
 func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
-	return e.store.Get(ctx, GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+	r, err := e.store.Get(ctx, GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+	if err == nil || errors.Is(err, ErrNotFound) {
+		e.answered()
+	}
+	return r, err
 }
 
 // Scan returns a page of stale records (UNKNOWN, or IN_PROGRESS past their

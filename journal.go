@@ -1,14 +1,17 @@
 package idem
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -32,6 +35,7 @@ type journal struct {
 	byRecord map[string]*journalEntry // completed entries by NotifyID, for replays
 	running  bool                     // the drain loop is running
 	closed   bool
+	wake     chan struct{} // cuts the drain loop's pause short
 	stop     chan struct{}
 	drained  chan struct{} // closed when the drain loop exits
 }
@@ -48,7 +52,7 @@ type journalEntry struct {
 
 func openJournal(e *Engine, dir string) (*journal, error) {
 	j := &journal{e: e, dir: dir, entries: map[string]*journalEntry{}, byRecord: map[string]*journalEntry{},
-		stop: make(chan struct{})}
+		wake: make(chan struct{}, 1), stop: make(chan struct{})}
 	if dir == "" {
 		return j, nil
 	}
@@ -120,8 +124,12 @@ func (j *journal) put(p FinishParams, fp Fingerprint) error {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.add(ent)
-	j.e.log.Warn("idem journal: the store is unreachable; the outcome waits in the journal", "key_hash", keyHash(p.Scope, p.Key),
-		"state", p.State, "pending", len(j.entries))
+	level := slog.LevelWarn
+	if p.State == StateFailed {
+		level = slog.LevelDebug // a release: nothing ran, nobody waits for it
+	}
+	j.e.log.Log(context.Background(), level, "idem journal: the store is unreachable; the outcome waits in the journal",
+		"key_hash", keyHash(p.Scope, p.Key), "state", p.State, "pending", len(j.entries))
 	j.startLocked()
 	return nil
 }
@@ -185,6 +193,14 @@ func (j *journal) replay(scope, key string, fp Fingerprint) (Outcome, bool) {
 	return Outcome{Decision: Replay, Record: rec}, true
 }
 
+// poke has the drain loop try again now: the store answers again.
+func (j *journal) poke() {
+	select {
+	case j.wake <- struct{}{}:
+	default:
+	}
+}
+
 func (j *journal) len() int {
 	j.mu.Lock()
 	defer j.mu.Unlock()
@@ -215,6 +231,7 @@ func (j *journal) drain(drained chan struct{}) {
 		select {
 		case <-j.stop:
 			return
+		case <-j.wake:
 		case <-time.After(min(retryPause(n), drainPause)):
 		}
 	}
@@ -229,6 +246,10 @@ func (j *journal) round() (empty bool) {
 		ents = append(ents, ent)
 	}
 	j.mu.Unlock()
+	// Outcomes somebody was told first, releases (nothing ran) last.
+	slices.SortStableFunc(ents, func(a, b *journalEntry) int {
+		return cmp.Compare(b2i(a.Params.State == StateFailed), b2i(b.Params.State == StateFailed))
+	})
 	for _, ent := range ents {
 		select {
 		case <-j.stop:
@@ -256,10 +277,11 @@ func (j *journal) land(ent *journalEntry) bool {
 	err := j.e.store.Finish(ctx, p)
 	cancel()
 	if errors.Is(err, ErrUnavailable) {
+		j.e.down.Store(true) // the first call the store answers pokes the loop
 		return false
 	}
 	log := j.e.log.With("key_hash", keyHash(p.Scope, p.Key), "state", p.State)
-	j.e.down.Store(false)
+	j.e.answered()
 	switch {
 	case err == nil:
 		log.Info("idem journal: stored an outcome that had waited for the store")
@@ -330,6 +352,13 @@ func (j *journal) close(ctx context.Context) error {
 		return fmt.Errorf("idem: %d outcome(s) the store never took are lost (set a JournalDir to keep them across restarts)", left)
 	}
 	return fmt.Errorf("idem: %d outcome(s) the store has not taken yet stay in the journal %s for the next run", left, j.dir)
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // keyHash names a record in logs without revealing its key: the hex of the

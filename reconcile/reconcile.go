@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -101,7 +102,11 @@ type Config struct {
 	// still finish (its context is cancelled when its lease runs out), and a
 	// downstream call that timed out on the owner's side but may still land
 	// has landed before the resolver asks. Make it longer than the
-	// downstream calls' timeouts. Defaults to [DefaultGrace].
+	// downstream calls' timeouts. The reconciler also waits this long after
+	// the last time it could not reach the store: owners that kept their
+	// outcomes in their journals while the store was away then have a whole
+	// grace to store them themselves, before the resolver is asked. Defaults
+	// to [DefaultGrace].
 	Grace time.Duration
 	// Interval is the time between passes under Start. Defaults to
 	// [DefaultInterval].
@@ -124,6 +129,8 @@ type Reconciler struct {
 	mu   sync.Mutex
 	stop chan struct{} // closed by Stop
 	done chan struct{} // closed when the loop has ended
+
+	unreachable atomic.Pointer[time.Time] // the last time the store could not be reached
 }
 
 // New checks cfg and returns a reconciler.
@@ -176,6 +183,7 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 	for {
 		page, err := r.cfg.Engine.Scan(ctx, r.cfg.PageSize, cursor)
 		if err != nil {
+			r.noteUnreachable(err)
 			return rep, fmt.Errorf("reconcile: scanning: %w", err)
 		}
 		for _, rec := range page.Records {
@@ -196,6 +204,9 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	quiet := rec.LeaseExpires
 	if rec.State == idem.StateUnknown {
 		quiet = rec.Updated
+	}
+	if t := r.unreachable.Load(); t != nil && t.After(quiet) {
+		quiet = *t // owners may have outcomes in their journals to store first
 	}
 	if eng.Now().Before(quiet.Add(r.cfg.Grace)) {
 		rep.Waiting++
@@ -248,6 +259,7 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 		rep.Lost++
 		return
 	case err != nil:
+		r.noteUnreachable(err)
 		rep.Errors++
 		log.Error("reconcile: settling", "outcome", res.Outcome, "err", err)
 		return
@@ -259,6 +271,14 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 		rep.Failed++
 	}
 	log.Info("reconcile: settled", "outcome", res.Outcome)
+}
+
+// noteUnreachable remembers when the store could not be reached.
+func (r *Reconciler) noteUnreachable(err error) {
+	if errors.Is(err, idem.ErrUnavailable) {
+		now := r.cfg.Engine.Now()
+		r.unreachable.Store(&now)
+	}
 }
 
 // Start runs a pass now and then every Interval, in the background, until

@@ -276,3 +276,76 @@ func TestNewValidates(t *testing.T) {
 		t.Fatalf("New without engine: %v", err)
 	}
 }
+
+// outageStore fails every call with ErrUnavailable while down.
+type outageStore struct {
+	idem.Store
+	down atomic.Bool
+}
+
+func (s *outageStore) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+	if s.down.Load() {
+		return idem.ScanResult{}, idem.ErrUnavailable
+	}
+	return s.Store.Scan(ctx, p)
+}
+
+// TestOwnersGoFirstAfterAnOutage: while the store was away, owners kept
+// their outcomes in their journals. Once it is back, the reconciler leaves
+// them a whole grace to store those themselves — even for records whose
+// lease ran out long ago — before it asks the resolver: the outcome a
+// client saw is the one that stands.
+func TestOwnersGoFirstAfterAnOutage(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	store := &outageStore{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: store, Clock: clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload("k")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var asked atomic.Int64
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Grace: time.Minute, Logger: quiet,
+		Resolver: reconcile.ResolverFunc(func(context.Context, idem.Record) (reconcile.Resolution, error) {
+			asked.Add(1)
+			return reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: 201, Body: []byte("from the resolver")}}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(5 * time.Minute) // the lease ran out long ago
+	store.down.Store(true)
+	if _, err := r.RunOnce(ctx); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("a pass during the outage: %v", err)
+	}
+	store.down.Store(false)
+	clock.Advance(time.Second)
+	rep, err := r.RunOnce(ctx)
+	if err != nil || rep.Waiting != 1 || asked.Load() != 0 {
+		t.Fatalf("the first pass after the outage: %+v, %v, resolver asked %d times; want it to wait", rep, err, asked.Load())
+	}
+	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("the owner's")}); err != nil {
+		t.Fatalf("the owner's outcome after the outage: %v", err)
+	}
+	if got := w(eng).decide(t, "k"); string(got.Record.Response.Body) != "the owner's" {
+		t.Fatalf("replay = %q, want the owner's outcome", got.Record.Response.Body)
+	}
+
+	// Without an owner to come back, the reconciler steps in a grace later.
+	out, err = eng.Begin(ctx, idem.BeginParams{Key: "k2", Fingerprint: payload("k2")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(5 * time.Minute)
+	store.down.Store(true)
+	r.RunOnce(ctx)
+	store.down.Store(false)
+	clock.Advance(time.Minute)
+	if rep, err := r.RunOnce(ctx); err != nil || rep.Completed != 1 {
+		t.Fatalf("a grace after the outage: %+v, %v; want the record settled", rep, err)
+	}
+}
+
+func w(eng *idem.Engine) *world { return &world{eng: eng} }
