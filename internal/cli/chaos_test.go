@@ -97,8 +97,10 @@ func runChaos(t *testing.T, store string) {
 	ln.Close()
 	api := "http://" + addr
 	var proc atomic.Pointer[exec.Cmd]
+	journal := filepath.Join(t.TempDir(), "journal")
 	start := func() {
 		cmd := exec.Command(idemBin, "demo", "--listen", addr, "--acquirer", acquirer.URL, "--store", store, "--admin-listen", "127.0.0.1:0",
+			"--journal-dir", journal,
 			"--lease", "2s", "--grace", "3s", "--reconcile-every", "300ms")
 		cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 		if err := cmd.Start(); err != nil {

@@ -46,7 +46,7 @@ var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+) upstre
 // address and its admin address (when --admin-listen was given).
 func startProxy(t *testing.T, args ...string) (*exec.Cmd, string, string) {
 	t.Helper()
-	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0"}, args...)...)
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -277,6 +277,7 @@ var demoListening = regexp.MustCompile(`payments API listening on (http://\S+)`)
 
 func TestVerifyPassesAgainstTheDemo(t *testing.T) {
 	_, url := startProcess(t, demoListening, "demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+		"--journal-dir", filepath.Join(t.TempDir(), "journal"),
 		"--store", "sqlite:"+filepath.Join(t.TempDir(), "demo.db"))
 	verifyOK(t, "--url", url+"/v1/charges", "--body", `{"amount":100,"currency":"eur","customer":"cus_1"}`,
 		"--changed-body", `{"amount":101,"currency":"eur","customer":"cus_1"}`, "--require-key", "--credential", "Bearer sk_a", "--credential", "Bearer sk_b")

@@ -50,7 +50,8 @@ func (l *logLines) has(sub string) bool {
 // startProxyLogged is startProxy that keeps the proxy's log lines.
 func startProxyLogged(t *testing.T, args ...string) (proxy, admin string, logs *logLines) {
 	t.Helper()
-	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"}, args...)...)
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+		"--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -133,7 +134,7 @@ func TestProxyStartsWhileStoreIsDown(t *testing.T) {
 			}
 			u.RawQuery = q.Encode()
 			proxyURL, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", u.String(),
-				"--journal-dir", t.TempDir(), "--store-timeout", "500ms")
+				"--store-timeout", "500ms")
 			if status, body := get(t, admin+"/readyz"); status != 503 || !strings.Contains(body, "not ready") {
 				t.Fatalf("/readyz with the store down: %d %q", status, body)
 			}
@@ -202,8 +203,7 @@ func TestRedisRestartIsNoticed(t *testing.T) {
 	redis := startRedis(t, port)
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))
 	defer upstream.Close()
-	_, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0",
-		"--journal-dir", filepath.Join(t.TempDir(), "journal"))
+	_, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0")
 	status, body := get(t, admin+"/readyz")
 	if status != 200 || !strings.Contains(body, "durability: NOT crash-safe (appendonly no, no snapshots: a restart loses every record)") ||
 		!strings.Contains(body, "restarts seen: 0") {
