@@ -152,17 +152,6 @@ func (e *Engine) Close(ctx context.Context) error {
 // Pending reports how many outcomes wait in the journal for the store.
 func (e *Engine) Pending() int { return e.journal.len() }
 
-// storeCtx is the context of one store call made for a request: detached
-// from the caller's cancellation (a client that goes away must not leave a
-// store write half-known), bounded by the store timeout, or by deadline when
-// it is earlier.
-func (e *Engine) storeCtx(ctx context.Context, deadline time.Time) (context.Context, context.CancelFunc) {
-	if deadline.IsZero() {
-		return context.WithTimeout(context.WithoutCancel(ctx), e.storeTimeout)
-	}
-	return context.WithDeadline(context.WithoutCancel(ctx), deadline)
-}
-
 // retryPause is the real-time pause before retry n (0-based) of a store call
 // whose answer was lost: short, since most such faults are one dropped
 // connection, and growing.
@@ -187,7 +176,9 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 	down := e.down.Load()
 	deadline := time.Now().Add(e.storeTimeout)
 	for n := 0; ; n++ {
-		actx, cancel := e.storeCtx(ctx, deadline)
+		// Detached from the caller's cancellation: a client that goes away
+		// must not leave a store write half-known.
+		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 		err := op(actx)
 		cancel()
 		if err == nil || !errors.Is(err, ErrUnavailable) {

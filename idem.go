@@ -22,6 +22,12 @@
 // work takeover-safe (all of its effects commit together with the record) lets a
 // retry take over an expired lease.
 //
+// The engine's store calls are bounded ([Config.StoreTimeout]) and detached
+// from the caller's cancellation; an answer lost on the way back is asked for
+// again with the same lease token, which is safe; and an outcome the store
+// cannot take is kept in a journal ([Config.JournalDir]) until it does, so an
+// outcome a client was given is never lost to a store that was away.
+//
 // This package imports only the standard library. Stores live in their own
 // packages under store/, and all of them pass the conformance suite in
 // store/storetest.

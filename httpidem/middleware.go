@@ -17,8 +17,12 @@
 //	stored response could not be kept          409 response-not-replayable
 //	store unreachable                          503, nothing runs
 //
-// The handler's response is buffered and stored before the client sees it,
-// so a client that saw an outcome gets exactly that outcome on its retry.
+// The handler's response is buffered and stored before the client sees it
+// (or, while the store cannot be reached, kept in the engine's journal, which
+// stores it as soon as the store answers), so a client that saw an outcome
+// gets exactly that outcome on its retry. The store calls are detached from
+// the client: one that goes away mid-acquire leaves a released key, never a
+// record for work that did not run.
 // Everything the handler returns is stored — a 500 included — except 429 and
 // 503 and responses the handler marks with [NothingHappened]: those release
 // the key and the next retry runs. A panic marks the outcome unknown. The

@@ -303,7 +303,11 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		fmt.Fprintln(stderr, "idem reconcile: --resolver-url is required")
 		return 2
 	}
-	opened, err := storeopen.Open(ctx, *store)
+	open := storeopen.OpenEventually // a long-running reconciler rides out a store that is down
+	if *once {
+		open = storeopen.Open
+	}
+	opened, err := open(ctx, *store)
 	if err != nil {
 		fmt.Fprintln(stderr, "idem reconcile:", err)
 		return 1

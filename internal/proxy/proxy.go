@@ -12,6 +12,11 @@
 //     execution;
 //   - the upstream answered 429 or 503: released;
 //   - any other answer is stored and replayed.
+//
+// A request to the upstream is never sent twice by the transport itself
+// (see neverResent). The proxy starts whether or not its store answers,
+// reports the store's health on /readyz ([Health]), and bounds its client
+// connections ([Timeouts]).
 package proxy
 
 import (
