@@ -6,13 +6,9 @@ import (
 	"encoding/hex"
 	"flag"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -20,6 +16,7 @@ import (
 
 	"github.com/idemhq/idem/internal/chaos"
 	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/testbin"
 )
 
 // The size of a run. CI runs the defaults; RELIABILITY.md's figures come
@@ -39,20 +36,7 @@ var idemBin string
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	dir, err := os.MkdirTemp("", "idem-chaos")
-	if err != nil {
-		panic(err)
-	}
-	idemBin = filepath.Join(dir, "idem")
-	build := exec.Command("go", "build", "-o", idemBin, "github.com/idemhq/idem/cmd/idem")
-	build.Stderr = os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "building idem:", err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	testbin.Main(m, &idemBin)
 }
 
 // config is a run's configuration with the faults every store gets.
@@ -188,7 +172,3 @@ func TestChaosRedisCluster(t *testing.T) {
 	cfg.OutageFor = *outageFor
 	run(t, cfg)
 }
-
-var _ = strings.Cut
-var _ = strconv.Itoa
-var _ = net.Dial

@@ -18,35 +18,52 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/internal/cli"
+	"github.com/idemhq/idem/internal/testbin"
 	"github.com/idemhq/idem/internal/wait"
 )
 
 var idemBin string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "idem-e2e")
-	if err != nil {
-		panic(err)
-	}
-	idemBin = filepath.Join(dir, "idem")
-	build := exec.Command("go", "build", "-o", idemBin, "github.com/idemhq/idem/cmd/idem")
-	build.Stderr = os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "building idem:", err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { testbin.Main(m, &idemBin) }
 
 var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+) upstream=\S+ admin=(\S*)`)
 
-// startProxy runs `idem proxy` as a real process and returns it with its
-// address and its admin address (when --admin-listen was given).
-func startProxy(t *testing.T, args ...string) (*exec.Cmd, string, string) {
+// proxyProc is an `idem proxy` running as a real process.
+type proxyProc struct {
+	cmd        *exec.Cmd
+	url, admin string // admin is empty without --admin-listen
+	logs       *logLines
+}
+
+// logLines collects a process's log lines for a test to look at.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) add(line string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, line)
+}
+
+func (l *logLines) has(sub string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.Contains(line, sub) {
+			return true
+		}
+	}
+	return false
+}
+
+// runProxy runs `idem proxy` on a free port, with a journal of its own, and
+// returns it once it says it is listening.
+func runProxy(t *testing.T, args ...string) *proxyProc {
 	t.Helper()
-	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
+	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0",
+		"--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -55,33 +72,40 @@ func startProxy(t *testing.T, args ...string) (*exec.Cmd, string, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	p := &proxyProc{cmd: cmd, logs: &logLines{}}
 	addr := make(chan []string, 1)
 	go func() {
 		defer close(addr)
 		lines := bufio.NewScanner(stderr)
 		for lines.Scan() {
+			p.logs.add(lines.Text())
 			if m := listening.FindStringSubmatch(lines.Text()); m != nil {
 				addr <- m
-				io.Copy(io.Discard, stderr)
-				return
 			}
-			t.Logf("idem proxy: %s", lines.Text())
 		}
 	}()
 	select {
 	case m, ok := <-addr:
 		if !ok {
-			t.Fatal("idem proxy exited before listening")
+			t.Fatalf("idem proxy exited before listening: %q", p.logs.lines)
 		}
-		admin := strings.Trim(m[2], `"`)
-		if admin != "" {
-			admin = "http://" + admin
+		p.url = "http://" + m[1]
+		if admin := strings.Trim(m[2], `"`); admin != "" {
+			p.admin = "http://" + admin
 		}
-		return cmd, "http://" + m[1], admin
+		return p
 	case <-time.After(30 * time.Second):
 		t.Fatal("idem proxy did not say it was listening within 30s")
 	}
-	return nil, "", ""
+	return nil
+}
+
+// startProxy is runProxy for the tests that need only the process and its
+// addresses.
+func startProxy(t *testing.T, args ...string) (*exec.Cmd, string, string) {
+	t.Helper()
+	p := runProxy(t, args...)
+	return p.cmd, p.url, p.admin
 }
 
 func post(url, key string) (int, string, error) {

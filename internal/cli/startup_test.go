@@ -1,7 +1,6 @@
 package cli_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -11,7 +10,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,67 +21,6 @@ import (
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/wait"
 )
-
-// logLines collects a process's log lines for a test to look at.
-type logLines struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (l *logLines) add(line string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines = append(l.lines, line)
-}
-
-func (l *logLines) has(sub string) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, line := range l.lines {
-		if strings.Contains(line, sub) {
-			return true
-		}
-	}
-	return false
-}
-
-// startProxyLogged is startProxy that keeps the proxy's log lines.
-func startProxyLogged(t *testing.T, args ...string) (proxy, admin string, logs *logLines) {
-	t.Helper()
-	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-		"--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	logs = &logLines{}
-	addr := make(chan []string, 1)
-	go func() {
-		lines := bufio.NewScanner(stderr)
-		for lines.Scan() {
-			logs.add(lines.Text())
-			if m := listening.FindStringSubmatch(lines.Text()); m != nil {
-				addr <- m
-			}
-		}
-		close(addr)
-	}()
-	var m []string
-	ok := false
-	select {
-	case m, ok = <-addr:
-	case <-time.After(30 * time.Second):
-		t.Fatal("idem proxy did not say it was listening within 30s")
-	}
-	if !ok {
-		t.Fatalf("idem proxy exited before listening: %q", logs.lines)
-	}
-	return "http://" + m[1], "http://" + strings.Trim(m[2], `"`), logs
-}
 
 func get(t *testing.T, url string) (int, string) {
 	t.Helper()
@@ -133,8 +70,8 @@ func TestProxyStartsWhileStoreIsDown(t *testing.T) {
 				t.Cleanup(func() { dropSchema(server, name) })
 			}
 			u.RawQuery = q.Encode()
-			proxyURL, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", u.String(),
-				"--store-timeout", "500ms")
+			p := runProxy(t, "--upstream", upstream.URL, "--store", u.String(), "--store-timeout", "500ms", "--admin-listen", "127.0.0.1:0")
+			proxyURL, admin, logs := p.url, p.admin, p.logs
 			if status, body := get(t, admin+"/readyz"); status != 503 || !strings.Contains(body, "not ready") {
 				t.Fatalf("/readyz with the store down: %d %q", status, body)
 			}
@@ -203,7 +140,8 @@ func TestRedisRestartIsNoticed(t *testing.T) {
 	redis := startRedis(t, port)
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))
 	defer upstream.Close()
-	_, admin, logs := startProxyLogged(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0")
+	p := runProxy(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0", "--admin-listen", "127.0.0.1:0")
+	admin, logs := p.admin, p.logs
 	status, body := get(t, admin+"/readyz")
 	if status != 200 || !strings.Contains(body, "durability: NOT crash-safe (appendonly no, no snapshots: a restart loses every record)") ||
 		!strings.Contains(body, "restarts seen: 0") {

@@ -1,0 +1,32 @@
+// Package testbin builds the idem command once for a test binary's tests that
+// run it as a real process (SIGKILL, restarts, start-up).
+package testbin
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+)
+
+// Main builds the idem command, sets *bin to its path, runs the tests and
+// exits with their status. Call it from TestMain.
+func Main(m *testing.M, bin *string) {
+	dir, err := os.MkdirTemp("", "idem-bin")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "building idem:", err)
+		os.Exit(1)
+	}
+	*bin = filepath.Join(dir, "idem")
+	build := exec.Command("go", "build", "-o", *bin, "github.com/idemhq/idem/cmd/idem")
+	build.Stderr = os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building idem:", err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
