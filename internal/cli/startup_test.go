@@ -82,9 +82,7 @@ func TestProxyStartsWhileStoreIsDown(t *testing.T) {
 			if took := time.Since(began); took > 3*time.Second {
 				t.Fatalf("the 503 took %v", took)
 			}
-			if !logs.has("the store cannot be reached") {
-				t.Fatal("nothing in the log says the store cannot be reached")
-			}
+			wait.Until(t, 5*time.Second, "the log to say the store cannot be reached", func() bool { return logs.has("the store cannot be reached") })
 			end()
 			wait.Until(t, 20*time.Second, "/readyz to say ready once the store answers", func() bool {
 				status, _ := get(t, admin+"/readyz")
@@ -147,9 +145,9 @@ func TestRedisRestartIsNoticed(t *testing.T) {
 		!strings.Contains(body, "restarts seen: 0") {
 		t.Fatalf("/readyz before the restart: %d\n%s", status, body)
 	}
-	if !logs.has("a crash of the store loses records") {
-		t.Fatal("the log never said that a crash of the store loses records")
-	}
+	wait.Until(t, 5*time.Second, "the log to say that a crash of the store loses records", func() bool {
+		return logs.has("a crash of the store loses records")
+	})
 	redis.Process.Kill()
 	redis.Wait()
 	startRedis(t, port)
@@ -157,9 +155,7 @@ func TestRedisRestartIsNoticed(t *testing.T) {
 		_, body := get(t, admin+"/readyz")
 		return strings.Contains(body, "restarts seen: 1")
 	})
-	if !logs.has("THE STORE'S SERVER RESTARTED") {
-		t.Fatal("the log never said loudly that the store restarted")
-	}
+	wait.Until(t, 5*time.Second, "the log to say loudly that the store restarted", func() bool { return logs.has("THE STORE'S SERVER RESTARTED") })
 	if _, metrics := get(t, admin+"/metrics"); !strings.Contains(metrics, `idem_store_restarts_total{store="redis"} 1`) ||
 		!strings.Contains(metrics, `idem_store_crash_safe{store="redis"} 0`) {
 		t.Fatalf("/metrics lacks the restart or the durability:\n%s", metrics)
