@@ -32,7 +32,7 @@ type journal struct {
 
 	mu       sync.Mutex
 	entries  map[string]*journalEntry // by file name
-	byRecord map[string]*journalEntry // completed entries by NotifyID, for replays
+	byRecord map[string]*journalEntry // completed entries by KeyHash, for replays
 	running  bool                     // the drain loop is running
 	closed   bool
 	wake     chan struct{} // cuts the drain loop's pause short
@@ -98,7 +98,7 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 func (j *journal) add(ent *journalEntry) {
 	j.entries[ent.name] = ent
 	if ent.Params.State == StateCompleted {
-		j.byRecord[NotifyID(ent.Params.Scope, ent.Params.Key)] = ent
+		j.byRecord[KeyHash(ent.Params.Scope, ent.Params.Key)] = ent
 	}
 }
 
@@ -117,7 +117,7 @@ func (j *journal) put(p FinishParams, fp Fingerprint) error {
 	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, name: entryName(p)}
 	if j.dir != "" {
 		if err := j.write(ent); err != nil {
-			j.e.log.Error("idem journal: cannot keep an outcome the store did not take", "key_hash", keyHash(p.Scope, p.Key), "err", err)
+			j.e.log.Error("idem journal: cannot keep an outcome the store did not take", "key_hash", KeyHash(p.Scope, p.Key), "err", err)
 			return fmt.Errorf("idem: the store did not take the outcome and the journal cannot keep it: %w: %w", ErrUnavailable, err)
 		}
 	}
@@ -129,7 +129,7 @@ func (j *journal) put(p FinishParams, fp Fingerprint) error {
 		level = slog.LevelDebug // a release: nothing ran, nobody waits for it
 	}
 	j.e.log.Log(context.Background(), level, "idem journal: the store is unreachable; the outcome waits in the journal",
-		"key_hash", keyHash(p.Scope, p.Key), "state", p.State, "pending", len(j.entries))
+		"key_hash", KeyHash(p.Scope, p.Key), "state", p.State, "pending", len(j.entries))
 	j.startLocked()
 	return nil
 }
@@ -180,7 +180,7 @@ func (j *journal) replay(scope, key string, fp Fingerprint) (Outcome, bool) {
 	if len(j.byRecord) == 0 {
 		return Outcome{}, false
 	}
-	ent := j.byRecord[NotifyID(scope, key)]
+	ent := j.byRecord[KeyHash(scope, key)]
 	if ent == nil || ent.Params.Scope != scope || ent.Params.Key != key {
 		return Outcome{}, false
 	}
@@ -280,7 +280,7 @@ func (j *journal) land(ent *journalEntry) bool {
 		j.e.down.Store(true) // the first call the store answers pokes the loop
 		return false
 	}
-	log := j.e.log.With("key_hash", keyHash(p.Scope, p.Key), "state", p.State)
+	log := j.e.log.With("key_hash", KeyHash(p.Scope, p.Key), "state", p.State)
 	j.e.answered()
 	switch {
 	case err == nil:
@@ -307,7 +307,7 @@ func (j *journal) remove(ent *journalEntry) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	delete(j.entries, ent.name)
-	id := NotifyID(ent.Params.Scope, ent.Params.Key)
+	id := KeyHash(ent.Params.Scope, ent.Params.Key)
 	if j.byRecord[id] == ent {
 		delete(j.byRecord, id)
 	}
@@ -359,11 +359,4 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
-}
-
-// keyHash names a record in logs without revealing its key: the hex of the
-// first 8 bytes of SHA-256(scope, NUL, key).
-func keyHash(scope, key string) string {
-	sum := sha256.Sum256([]byte(scope + "\x00" + key))
-	return hex.EncodeToString(sum[:8])
 }

@@ -30,10 +30,12 @@ type Notifier interface {
 // DefaultPoll is how often a waiting caller looks again when nothing wakes it.
 const DefaultPoll = 250 * time.Millisecond
 
-// NotifyID names a record in notifications: the hex of the first 16 bytes of
-// SHA-256(scope, NUL, key). Keys are client data, and a notification may be
-// seen by every listener on a shared channel, so Notifiers send this instead.
-func NotifyID(scope, key string) string {
+// KeyHash names a record without revealing its key: the hex of the first 16
+// bytes of SHA-256(scope, NUL, key). Keys are client data, so every component
+// logs this instead, as key_hash (one record can be followed across the
+// middleware, the journal, the reconciler and the CLI), and Notifiers send it,
+// since a notification may be seen by every listener on a shared channel.
+func KeyHash(scope, key string) string {
 	h := sha256.New()
 	h.Write([]byte(scope))
 	h.Write([]byte{0})
@@ -42,7 +44,7 @@ func NotifyID(scope, key string) string {
 }
 
 // Waiters is a registry of channels waiting for records to be settled, by
-// [NotifyID], for [Notifier] implementations. Waking never blocks: each
+// [KeyHash], for [Notifier] implementations. Waking never blocks: each
 // channel holds at most one pending wake-up. The zero value is ready to use.
 type Waiters struct {
 	mu sync.Mutex
@@ -105,11 +107,11 @@ func poke(ch chan struct{}) {
 type localNotifier struct{ waiters Waiters }
 
 func (n *localNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.waiters.Add(NotifyID(scope, key))
+	return n.waiters.Add(KeyHash(scope, key))
 }
 
 func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
-	n.waiters.Wake(NotifyID(scope, key))
+	n.waiters.Wake(KeyHash(scope, key))
 	return nil
 }
 

@@ -15,20 +15,20 @@ import (
 type sharedNotifier struct{ waiters idem.Waiters }
 
 func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.waiters.Add(idem.NotifyID(scope, key))
+	return n.waiters.Add(idem.KeyHash(scope, key))
 }
 
 func (n *sharedNotifier) Notify(ctx context.Context, scope, key string) error {
-	n.waiters.Wake(idem.NotifyID(scope, key))
+	n.waiters.Wake(idem.KeyHash(scope, key))
 	return nil
 }
 
 func TestWaiters(t *testing.T) {
 	var w idem.Waiters
-	a, cancelA := w.Add(idem.NotifyID("s", "a"))
-	b, _ := w.Add(idem.NotifyID("s", "b"))
-	w.Wake(idem.NotifyID("s", "a"))
-	w.Wake(idem.NotifyID("s", "a")) // a second wake-up never blocks
+	a, cancelA := w.Add(idem.KeyHash("s", "a"))
+	b, _ := w.Add(idem.KeyHash("s", "b"))
+	w.Wake(idem.KeyHash("s", "a"))
+	w.Wake(idem.KeyHash("s", "a")) // a second wake-up never blocks
 	if len(a) != 1 || len(b) != 0 {
 		t.Fatalf("after waking a: a holds %d, b holds %d", len(a), len(b))
 	}
@@ -38,8 +38,8 @@ func TestWaiters(t *testing.T) {
 	if len(a) != 0 || len(b) != 1 {
 		t.Fatalf("after WakeAll: cancelled a holds %d, b holds %d", len(a), len(b))
 	}
-	if idem.NotifyID("a", "bc") == idem.NotifyID("ab", "c") || len(idem.NotifyID("s", "k")) != 32 {
-		t.Fatal("NotifyID must keep scope and key apart and be 128 bits in hex")
+	if idem.KeyHash("a", "bc") == idem.KeyHash("ab", "c") || len(idem.KeyHash("s", "k")) != 32 {
+		t.Fatal("KeyHash must keep scope and key apart and be 128 bits in hex")
 	}
 }
 

@@ -363,7 +363,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Scope: scope, Key: key, Fingerprint: m.fingerprint(r, body),
 		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
 	}
-	log := m.log.With("key_hash", keyHash(scope, key), "method", r.Method, "path", r.URL.Path)
+	log := m.log.With("key_hash", idem.KeyHash(scope, key), "method", r.Method, "path", r.URL.Path)
 
 	// The engine's store calls are detached from the client: one that goes
 	// away mid-acquire never leaves a record behind for work that did not
@@ -534,10 +534,4 @@ func replay(w http.ResponseWriter, resp *idem.Response) {
 	h.Set(HeaderReplayed, "true")
 	w.WriteHeader(resp.Status)
 	w.Write(resp.Body)
-}
-
-// keyHash identifies a key in logs without revealing it.
-func keyHash(scope, key string) string {
-	sum := sha256.Sum256([]byte(scope + "\x00" + key))
-	return hex.EncodeToString(sum[:8])
 }

@@ -198,7 +198,7 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 
 func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	eng := r.cfg.Engine
-	log := r.log.With("scope", rec.Scope, "key_hash", idem.NotifyID(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
+	log := r.log.With("scope", rec.Scope, "key_hash", idem.KeyHash(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
 	// A downstream call made just before the lease ended, or just before the
 	// record became unknown (a timeout on the owner's side), may still land.
 	quiet := rec.LeaseExpires

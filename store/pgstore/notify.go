@@ -118,7 +118,7 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.Add(idem.NotifyID(scope, key))
+	return n.subs.Add(idem.KeyHash(scope, key))
 }
 
 // Notify implements [idem.Notifier] with one statement on the pool
@@ -128,7 +128,7 @@ func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgstore: notify: %w", err)
 	}
-	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, idem.NotifyID(scope, key)); err != nil {
+	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, idem.KeyHash(scope, key)); err != nil {
 		return translate("notify", err)
 	}
 	return nil

@@ -90,7 +90,7 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.Add(idem.NotifyID(scope, key))
+	return n.subs.Add(idem.KeyHash(scope, key))
 }
 
 // Notify implements [idem.Notifier] with one PUBLISH on the client, so it
@@ -100,7 +100,7 @@ func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("redisstore: notify: %w", err)
 	}
-	if err := n.client.Publish(ctx, n.channel, idem.NotifyID(scope, key)).Err(); err != nil {
+	if err := n.client.Publish(ctx, n.channel, idem.KeyHash(scope, key)).Err(); err != nil {
 		return translate("notify", err)
 	}
 	return nil

@@ -41,11 +41,11 @@ func newNotifier(t *testing.T, client redis.UniversalClient, channel string) *No
 // SHA-256(scope, NUL, key), the same value as in pgstore's test.
 func TestNotifyPayload(t *testing.T) {
 	const want = "e61c97590bef91c078be53cfecf177c9"
-	if got := idem.NotifyID("tenant-42", "order-7"); got != want {
-		t.Fatalf("NotifyID = %q, want %q", got, want)
+	if got := idem.KeyHash("tenant-42", "order-7"); got != want {
+		t.Fatalf("KeyHash = %q, want %q", got, want)
 	}
-	if idem.NotifyID("s", "k") == idem.NotifyID("s", "k2") || idem.NotifyID("s", "k") == idem.NotifyID("s2", "k") ||
-		idem.NotifyID("a", "bc") == idem.NotifyID("ab", "c") {
+	if idem.KeyHash("s", "k") == idem.KeyHash("s", "k2") || idem.KeyHash("s", "k") == idem.KeyHash("s2", "k") ||
+		idem.KeyHash("a", "bc") == idem.KeyHash("ab", "c") {
 		t.Fatal("two records share a payload")
 	}
 }
@@ -87,7 +87,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if err != nil {
 		t.Fatalf("waiting for the message: %v", err)
 	}
-	if want := idem.NotifyID("tenant-42", "order-7"); msg.Channel != channel || msg.Payload != want {
+	if want := idem.KeyHash("tenant-42", "order-7"); msg.Channel != channel || msg.Payload != want {
 		t.Fatalf("message on %q with payload %q, want %q on %q", msg.Channel, msg.Payload, want, channel)
 	}
 }
