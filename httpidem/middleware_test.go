@@ -684,10 +684,17 @@ func TestHijackedResponseIsNotReplayable(t *testing.T) {
 		buf.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nraw")
 		buf.Flush()
 	}}
-	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	eng := newEngine(t, memstore.New())
+	srv := serve(t, httpidem.Config{Engine: eng}, a)
 	if r := send(t, srv, "POST", "/socket", "k", "x"); r.status != 200 || r.body != "raw" {
 		t.Fatalf("hijacked answer: %d %q", r.status, r.body)
 	}
+	// The client had its answer before the middleware stored the outcome
+	// (the handler wrote to the connection itself): wait for that.
+	wait.Until(t, 5*time.Second, "the hijacked request's outcome to be stored", func() bool {
+		r, err := eng.Get(context.Background(), "", "k")
+		return err == nil && r.State == idem.StateCompleted
+	})
 	wantProblem(t, send(t, srv, "POST", "/socket", "k", "x"), 409, httpidem.ProblemNotReplayable)
 	if a.runs.Load() != 1 {
 		t.Fatalf("ran %d times", a.runs.Load())
