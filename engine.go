@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -194,10 +195,8 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 	}
 }
 
-// Store returns the engine's store.
-func (e *Engine) Store() Store { return e.store }
-
-// Now returns the engine's clock reading.
+// Now returns the engine's clock reading, for what acts in the engine's
+// time (a reconciler's grace periods).
 func (e *Engine) Now() time.Time { return e.clock.Now() }
 
 // Decision is what to do with a request.
@@ -382,10 +381,17 @@ func (e *Engine) MarkUnknown(ctx context.Context, l Lease) error {
 	return e.finish(ctx, l, StateUnknown, nil)
 }
 
-// FinishParams returns the store params that settle l as state at the
-// engine's current time, with the lease's retention; a store's transactional
-// finish (e.g. pgstore's FinishTx) takes them.
-func (e *Engine) FinishParams(l Lease, state State, resp *Response) FinishParams {
+// HeaderExpires is the response header that says until when an outcome is
+// replayed (an HTTP-date): the retention policy the IETF draft asks servers
+// to publish. The engine sets it on every completed outcome it stores, so
+// the first answer and every replay carry the same value.
+const HeaderExpires = "Idempotency-Expires"
+
+// finishParams returns the store params that settle l as state at the
+// engine's current time, with the lease's retention. A completed outcome's
+// header gets [HeaderExpires]: resp's own header, so that the caller can send
+// it with the first answer.
+func (e *Engine) finishParams(l Lease, state State, resp *Response) FinishParams {
 	now := e.clock.Now()
 	p := FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, State: state, Response: resp}
 	if state.Terminal() {
@@ -395,11 +401,17 @@ func (e *Engine) FinishParams(l Lease, state State, resp *Response) FinishParams
 		}
 		p.Expires = now.Add(retention)
 	}
+	if state == StateCompleted && resp != nil {
+		if resp.Header == nil {
+			resp.Header = http.Header{}
+		}
+		resp.Header.Set(HeaderExpires, p.Expires.UTC().Format(http.TimeFormat))
+	}
 	return p
 }
 
 func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Response) error {
-	p := e.FinishParams(l, state, resp)
+	p := e.finishParams(l, state, resp)
 	p.Repeat = true // the lease's owner: a repeat of its own write may succeed
 	err := e.retry(ctx, func(ctx context.Context) error { return e.store.Finish(ctx, p) })
 	switch {
@@ -412,12 +424,54 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 	return err
 }
 
-// Settled tells waiters that the record under scope and key was settled
-// outside the engine, e.g. by a store's transactional finish (pgstore's
-// FinishTx) after its transaction committed.
-func (e *Engine) Settled(ctx context.Context, scope, key string) {
-	e.notify(ctx, scope, key)
+// Settlement is an outcome found out from outside a running request: by a
+// reconciler that asked the downstream service, by an operator, or by a
+// handler that stores its outcome in its own database transaction.
+type Settlement struct {
+	// State is StateCompleted, StateFailed (nothing happened: the next
+	// retry runs) or StateUnknown (retries get Uncertain).
+	State State
+	// Response is what retries replay; required for StateCompleted, which
+	// gets [HeaderExpires] in its header.
+	Response *Response
+	// Commit, when set, stores the settlement itself, in the caller's
+	// database transaction, together with the writes the outcome implies
+	// (the ledger debit of a charge): it must pass p to the store's
+	// transactional finish (pgstore's or sqlitestore's FinishTx) and commit.
+	// When it returns nil, the settlement is stored.
+	Commit func(ctx context.Context, p FinishParams) error
 }
+
+// Settle stores s as the outcome of the record l names: a lease the caller
+// holds, or one borrowed from a stale record ([Record.Lease]). It is a
+// compare-and-set on the lease token, made once: [ErrLeaseLost] means
+// somebody else settled the record first (the owner, another reconciler) and
+// theirs stands; [ErrUnavailable] that the store could not be reached, and
+// whether the settlement landed is not known (look again). Unlike Complete,
+// it is neither retried nor journaled, since two reconcilers borrowing one
+// token must not both succeed, and a Commit's own writes must not commit
+// twice. Waiters for the record are woken.
+func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
+	p := e.finishParams(l, s.State, s.Response)
+	var err error
+	if s.Commit != nil {
+		err = s.Commit(ctx, p)
+	} else {
+		sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
+		err = e.store.Finish(sctx, p)
+		cancel()
+	}
+	if err != nil {
+		return err
+	}
+	e.notify(ctx, l.Scope, l.Key)
+	return nil
+}
+
+// MaxBody is the largest response body the engine's store keeps (see
+// [BodyLimiter]); a completed outcome with a larger one is kept with its
+// body omitted.
+func (e *Engine) MaxBody() int { return MaxBody(e.store) }
 
 // Get returns the live record under scope and key, or [ErrNotFound].
 func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
@@ -434,14 +488,36 @@ func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult
 	return e.store.Scan(ctx, ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
 }
 
-// Prune deletes every settled record whose retention has run out, in
-// batches, and returns how many it deleted.
-func (e *Engine) Prune(ctx context.Context) (int, error) {
+// PruneOptions says what [Engine.Prune] deletes.
+type PruneOptions struct {
+	// Before: settled records that expired at or before it are deleted.
+	// Defaults to now (the engine's clock); a time after now is refused,
+	// since it would delete outcomes that are still being replayed.
+	Before time.Time
+	// Progress, when set, is told the running total after each batch.
+	Progress func(deleted int)
+}
+
+// Prune deletes settled records whose retention has run out, in batches,
+// and returns how many it deleted. Unsettled records (in progress, unknown)
+// are never deleted. Stores whose server expires records itself (Redis,
+// Memcached, DynamoDB) have nothing to delete.
+func (e *Engine) Prune(ctx context.Context, o PruneOptions) (int, error) {
 	now := e.clock.Now()
+	before := o.Before
+	if before.IsZero() {
+		before = now
+	}
+	if before.After(now) {
+		return 0, invalid("cannot prune records expiring after now (%s): they are still replayed", now.UTC().Format(time.RFC3339))
+	}
 	total := 0
 	for {
-		n, err := e.store.Prune(ctx, PruneParams{Now: now, Limit: DefaultPruneLimit})
+		n, err := e.store.Prune(ctx, PruneParams{Now: before, Limit: DefaultPruneLimit})
 		total += n
+		if o.Progress != nil {
+			o.Progress(total)
+		}
 		if err != nil || n < DefaultPruneLimit {
 			return total, err
 		}

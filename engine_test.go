@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -251,5 +252,55 @@ func TestStoreKnownDownFailsFast(t *testing.T) {
 	s.attempts.Store(0)
 	if err := begin("d"); !errors.Is(err, idem.ErrUnavailable) || s.attempts.Load() < 2 {
 		t.Fatalf("after the store had answered again: %d attempts; want retries again", s.attempts.Load())
+	}
+}
+
+// TestCompleteStampsExpiry: a completed outcome carries Idempotency-Expires,
+// the time its record stops being replayed, on the caller's response (for
+// the first answer) and on every replay.
+func TestCompleteStampsExpiry(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: memstore.New(), Retention: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp := &idem.Response{Status: 201}
+	if err := e.Complete(ctx, out.Lease, resp); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := e.Get(ctx, "", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := rec.Expires.UTC().Format(http.TimeFormat)
+	if got := resp.Header.Get(idem.HeaderExpires); got != want {
+		t.Fatalf("the caller's response says %q, the record expires %q", got, want)
+	}
+	if got := rec.Response.Header.Get(idem.HeaderExpires); got != want {
+		t.Fatalf("the stored response says %q, the record expires %q", got, want)
+	}
+}
+
+// TestSettleOnce: two reconcilers borrowing one record's lease settle it
+// with the same outcome; one succeeds, the other is told the lease is lost.
+func TestSettleOnce(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := out.Record
+	s := idem.Settlement{State: idem.StateFailed}
+	if err := e.Settle(ctx, rec.Lease(), s); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Settle(ctx, rec.Lease(), s); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the second settlement: %v, want ErrLeaseLost", err)
 	}
 }

@@ -163,6 +163,13 @@ type Record struct {
 	Checkpoints []Checkpoint
 }
 
+// Lease is the record's current lease, borrowed: whoever settles a stale
+// record ([Engine.Settle]) does so under its token, so that a compare-and-set
+// refuses the settlement once somebody else has settled it.
+func (r *Record) Lease() Lease {
+	return Lease{Scope: r.Scope, Key: r.Key, Token: r.Token, Fence: r.Fence, Fingerprint: r.Fingerprint, Expires: r.LeaseExpires}
+}
+
 // Live reports whether the record is still visible at now: non-terminal
 // records always are; terminal ones until Expires.
 func (r *Record) Live(now time.Time) bool {

@@ -66,8 +66,8 @@ const InProgressRetryAfter = time.Second
 
 // HeaderExpires tells the client until when the outcome of the request that
 // created a record will be replayed (an HTTP-date): the retention policy the
-// IETF draft asks servers to publish.
-const HeaderExpires = "Idempotency-Expires"
+// IETF draft asks servers to publish. It is [idem.HeaderExpires].
+const HeaderExpires = idem.HeaderExpires
 
 // Config configures a [Middleware]. Zero values are defaults.
 type Config struct {
@@ -176,7 +176,7 @@ func New(cfg Config) (*Middleware, error) {
 		cfg.MaxResponseBody = DefaultMaxResponseBody
 	}
 	// Never ask the store to keep more than it can.
-	cfg.MaxResponseBody = min(cfg.MaxResponseBody, int64(idem.MaxBody(cfg.Engine.Store())))
+	cfg.MaxResponseBody = min(cfg.MaxResponseBody, int64(cfg.Engine.MaxBody()))
 	if len(cfg.Methods) == 0 {
 		cfg.Methods = DefaultMethods
 	}
@@ -295,27 +295,23 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 	if c == nil {
 		return ErrNoCall
 	}
-	eng := c.m.cfg.Engine
-	p := eng.FinishParams(c.lease, idem.StateCompleted, nil)
-	expires := p.Expires.UTC().Format(http.TimeFormat)
 	stored := &idem.Response{Status: resp.Status, Header: storedHeader(resp.Header, c.m.allow)}
-	stored.Header.Set(HeaderExpires, expires)
 	if int64(len(resp.Body)) > c.m.cfg.MaxResponseBody {
 		stored.BodyOmitted = true
 	} else {
 		stored.Body = resp.Body
 	}
-	p.Response = stored
-	if err := commit(p); err != nil {
+	err := c.m.cfg.Engine.Settle(context.WithoutCancel(r.Context()), c.lease, idem.Settlement{State: idem.StateCompleted, Response: stored,
+		Commit: func(_ context.Context, p idem.FinishParams) error { return commit(p) }})
+	if err != nil {
 		return err
 	}
 	c.settled.Store(true)
-	eng.Settled(context.WithoutCancel(r.Context()), c.lease.Scope, c.lease.Key)
 	h := w.Header()
 	for name, values := range resp.Header {
 		h[name] = slices.Clone(values)
 	}
-	h.Set(HeaderExpires, expires)
+	h.Set(HeaderExpires, stored.Header.Get(HeaderExpires))
 	w.WriteHeader(resp.Status)
 	w.Write(resp.Body)
 	return nil
@@ -493,17 +489,15 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	case verdict == verdictNothing, status == http.StatusTooManyRequests, status == http.StatusServiceUnavailable:
 		err = eng.Release(settle, lease)
 	default:
-		retention := lease.Retention
-		expires := eng.Now().Add(retention).UTC().Format(http.TimeFormat)
 		resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}
 		if c.omitted() {
 			resp.BodyOmitted = true
 		} else {
-			extra.Set(HeaderExpires, expires)
-			resp.Header.Set(HeaderExpires, expires)
 			resp.Body = c.body.Bytes()
 		}
-		err = eng.Complete(settle, lease, resp)
+		if err = eng.Complete(settle, lease, resp); err == nil && !c.omitted() {
+			extra.Set(HeaderExpires, resp.Header.Get(HeaderExpires)) // the engine's stamp
+		}
 	}
 	if err != nil {
 		// The engine retries a write whose answer was lost and keeps the

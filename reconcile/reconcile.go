@@ -225,52 +225,76 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 			return
 		}
 	}
-	lease := idem.Lease{Scope: rec.Scope, Key: rec.Key, Token: rec.Token, Fence: rec.Fence, Fingerprint: rec.Fingerprint}
-	var p idem.FinishParams
-	switch res.Outcome {
-	case Completed:
-		if res.Response == nil {
-			rep.Errors++
-			log.Error("reconcile: resolver said completed without a response")
-			return
-		}
-		p = eng.FinishParams(lease, idem.StateCompleted, res.Response)
-	case Failed:
-		p = eng.FinishParams(lease, idem.StateFailed, nil)
-	default:
-		rep.Unknown++
-		if rec.State == idem.StateInProgress {
-			// Say so on the record: retries get operation-uncertain.
-			p = eng.FinishParams(lease, idem.StateUnknown, nil)
-			if err := eng.Store().Finish(ctx, p); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
-				log.Warn("reconcile: marking unknown", "err", err)
-			}
-		}
-		return
-	}
-	var err error
-	if res.Commit != nil {
-		err = res.Commit(ctx, p)
-	} else {
-		err = eng.Store().Finish(ctx, p)
-	}
+	err := apply(ctx, eng, rec, res)
 	switch {
+	case errors.Is(err, errStillUnknown):
+		rep.Unknown++
 	case errors.Is(err, idem.ErrLeaseLost):
 		rep.Lost++
-		return
 	case err != nil:
 		r.noteUnreachable(err)
 		rep.Errors++
 		log.Error("reconcile: settling", "outcome", res.Outcome, "err", err)
-		return
-	}
-	eng.Settled(ctx, rec.Scope, rec.Key)
-	if res.Outcome == Completed {
+	case res.Outcome == Completed:
 		rep.Completed++
-	} else {
+		log.Info("reconcile: settled", "outcome", res.Outcome)
+	default:
 		rep.Failed++
+		log.Info("reconcile: settled", "outcome", res.Outcome)
 	}
-	log.Info("reconcile: settled", "outcome", res.Outcome)
+}
+
+// errStillUnknown: the resolution was StillUnknown; the record says so now.
+var errStillUnknown = errors.New("reconcile: the outcome is still unknown")
+
+// apply stores a resolution of rec under its borrowed lease.
+func apply(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolution) error {
+	s := idem.Settlement{Commit: res.Commit}
+	switch res.Outcome {
+	case Completed:
+		if res.Response == nil {
+			return fmt.Errorf("%w: reconcile: a completed resolution needs a response", idem.ErrInvalid)
+		}
+		s.State, s.Response = idem.StateCompleted, res.Response
+	case Failed:
+		s.State = idem.StateFailed
+	default:
+		if rec.State != idem.StateInProgress {
+			return errStillUnknown
+		}
+		// Say so on the record: retries get operation-uncertain.
+		if err := eng.Settle(ctx, rec.Lease(), idem.Settlement{State: idem.StateUnknown}); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
+			return err
+		}
+		return errStillUnknown
+	}
+	return eng.Settle(ctx, rec.Lease(), s)
+}
+
+// Errors of [Resolve].
+var (
+	// ErrSettled: the record is already settled (completed or failed).
+	ErrSettled = errors.New("reconcile: the record is already settled")
+	// ErrLeaseRunning: the record's owner still holds its lease.
+	ErrLeaseRunning = errors.New("reconcile: the record's owner still holds its lease")
+)
+
+// Resolve settles one record by hand, as an operator who found out what
+// happened (idem keys resolve): res is what a resolver would have answered,
+// Completed with a response or Failed. It refuses a settled record
+// ([ErrSettled]) and, unless force, one whose owner's lease still runs
+// ([ErrLeaseRunning]), since the owner may yet store the true outcome.
+// [idem.ErrLeaseLost] means the record changed meanwhile (look again).
+func Resolve(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolution, force bool) error {
+	switch {
+	case rec.State.Terminal():
+		return fmt.Errorf("%w (%s)", ErrSettled, rec.State)
+	case rec.State == idem.StateInProgress && eng.Now().Before(rec.LeaseExpires) && !force:
+		return fmt.Errorf("%w until %s", ErrLeaseRunning, rec.LeaseExpires.UTC().Format(time.RFC3339))
+	case res.Outcome != Completed && res.Outcome != Failed:
+		return fmt.Errorf("%w: reconcile: resolve a record as completed or failed", idem.ErrInvalid)
+	}
+	return apply(ctx, eng, rec, res)
 }
 
 // noteUnreachable remembers when the store could not be reached.

@@ -27,17 +27,19 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 type world struct {
 	eng   *idem.Engine
+	store idem.Store
 	clock *storetest.Clock
 }
 
 func newWorld(t *testing.T) *world {
 	t.Helper()
 	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	eng, err := idem.New(idem.Config{Store: memstore.New(), Clock: clock, Lease: 30 * time.Second})
+	store := memstore.New()
+	eng, err := idem.New(idem.Config{Store: store, Clock: clock, Lease: 30 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &world{eng: eng, clock: clock}
+	return &world{eng: eng, store: store, clock: clock}
 }
 
 func payload(key string) idem.Fingerprint {
@@ -157,7 +159,7 @@ func TestResolverErrorsAndCommit(t *testing.T) {
 		return reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: 201},
 			Commit: func(ctx context.Context, p idem.FinishParams) error {
 				committed.Add(1) // the ledger write would go here, in one transaction
-				return w.eng.Store().Finish(ctx, p)
+				return w.store.Finish(ctx, p)
 			}}, nil
 	})
 	rep, err := w.reconciler(t, res).RunOnce(ctx)

@@ -158,16 +158,8 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		if err != nil {
 			return fail("%v", err)
 		}
-		if r.State.Terminal() {
-			return fail("the record is already %s", r.State)
-		}
-		if r.State == idem.StateInProgress && eng.Now().Before(r.LeaseExpires) && !*force {
-			return fail("its owner's lease runs until %s; wait, or say --force", r.LeaseExpires.UTC().Format(time.RFC3339))
-		}
-		lease := idem.Lease{Scope: r.Scope, Key: r.Key, Token: r.Token, Fence: r.Fence, Fingerprint: r.Fingerprint}
-		if *failed {
-			err = eng.Release(ctx, lease)
-		} else {
+		res := reconcile.Resolution{Outcome: reconcile.Failed}
+		if *completed {
 			if *status < 100 || *status > 999 {
 				return fail("--completed needs --status, an HTTP status")
 			}
@@ -177,12 +169,14 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 					return fail("%v", err)
 				}
 			}
-			err = eng.Complete(ctx, lease, &idem.Response{Status: *status, Header: http.Header(header), Body: b})
+			res = reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: *status, Header: http.Header(header), Body: b}}
 		}
-		if errors.Is(err, idem.ErrLeaseLost) {
+		switch err := reconcile.Resolve(ctx, eng, r, res, *force); {
+		case errors.Is(err, reconcile.ErrLeaseRunning):
+			return fail("%v; wait, or say --force", err)
+		case errors.Is(err, idem.ErrLeaseLost):
 			return fail("the record changed meanwhile (settled or taken over); look again with show")
-		}
-		if err != nil {
+		case err != nil:
 			return fail("%v", err)
 		}
 		fmt.Fprintf(stdout, "resolved %s as %s\n", pos[0], map[bool]string{true: "failed: the next retry runs", false: "completed: retries replay it"}[*failed])
@@ -193,21 +187,12 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		if err != nil {
 			return fail("%v", err)
 		}
-		total := 0
 		progress := newProgress(stderr, "purging")
-		for {
-			n, err := opened.Store.Prune(ctx, idem.PruneParams{Now: t, Limit: idem.DefaultPruneLimit})
-			total += n
-			progress.update(total)
-			if err != nil {
-				progress.done()
-				return fail("after %d: %v", total, err)
-			}
-			if n < idem.DefaultPruneLimit {
-				break
-			}
-		}
+		total, err := eng.Prune(ctx, idem.PruneOptions{Before: t, Progress: progress.update})
 		progress.done()
+		if err != nil {
+			return fail("after %d: %v", total, err)
+		}
 		fmt.Fprintf(stdout, "purged %d settled record(s) that expired before %s\n", total, t.UTC().Format(time.RFC3339))
 		return 0
 	}

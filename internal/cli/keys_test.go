@@ -28,8 +28,9 @@ func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
 
 var fp = idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges"})
 
-// seed writes records an hour in the past: one completed, one whose owner
-// died after a checkpoint, one unknown, one still running now.
+// seed writes records 26 hours in the past: one completed (so its 24 h
+// retention ran out 2 hours ago), one whose owner died after a checkpoint and
+// one unknown; and now, one completed and one still running.
 func seed(t *testing.T) (dsn string, eng func() *idem.Engine) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "idem.db")
@@ -38,7 +39,7 @@ func seed(t *testing.T) (dsn string, eng func() *idem.Engine) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	past, _ := idem.New(idem.Config{Store: s, Clock: storetest.NewClock(time.Now().Add(-time.Hour))})
+	past, _ := idem.New(idem.Config{Store: s, Clock: storetest.NewClock(time.Now().Add(-26 * time.Hour))})
 	now, _ := idem.New(idem.Config{Store: s})
 	begin := func(e *idem.Engine, key string) idem.Lease {
 		out, err := e.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: key, Fingerprint: fp})
@@ -48,7 +49,10 @@ func seed(t *testing.T) (dsn string, eng func() *idem.Engine) {
 		return out.Lease
 	}
 	ctx := context.Background()
-	if err := past.Complete(ctx, begin(past, "done"), &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+	if err := past.Complete(ctx, begin(past, "expired"), &idem.Response{Status: 201, Body: []byte(`{"id":"ch_0"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := now.Complete(ctx, begin(now, "done"), &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
 		t.Fatal(err)
 	}
 	if err := past.Checkpoint(ctx, begin(past, "stuck"), "authorize", []byte("idem_k1")); err != nil {
@@ -123,12 +127,18 @@ func TestKeysCommands(t *testing.T) {
 		t.Fatalf("after resolve --failed: %v", out.Decision)
 	}
 
-	if code, out, _ := run(t, "keys", "purge", "--before", "1h", "--store", dsn); code != 0 || !strings.Contains(out, "purged 0") {
-		t.Fatalf("purge of nothing expired: %d %s", code, out)
+	if code, out, _ := run(t, "keys", "purge", "--before", "3h", "--store", dsn); code != 0 || !strings.Contains(out, "purged 0") {
+		t.Fatalf("purge of nothing expired 3 hours ago: %d %s", code, out)
+	}
+	if code, out, _ := run(t, "keys", "purge", "--before", "1h", "--store", dsn); code != 0 || !strings.Contains(out, "purged 1") {
+		t.Fatalf("purge of the record that expired 2 hours ago: %d %s", code, out)
 	}
 	later := time.Now().Add(25 * time.Hour).UTC().Format(time.RFC3339)
-	if code, out, _ := run(t, "keys", "purge", "--before", later, "--store", dsn); code != 0 || !strings.Contains(out, "purged 2") {
-		t.Fatalf("purge before %s: %d %s", later, code, out)
+	if code, _, errOut := run(t, "keys", "purge", "--before", later, "--store", dsn); code == 0 || !strings.Contains(errOut, "still replayed") {
+		t.Fatalf("purge before %s, which would delete outcomes still replayed: %d %s", later, code, errOut)
+	}
+	if out, err := engine().Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "stuck", Fingerprint: fp}); err != nil || out.Decision != idem.Replay {
+		t.Fatalf("an outcome inside its retention after the refused purge: %v %v", out.Decision, err)
 	}
 	if code, _, _ := run(t, "keys", "purge", "--store", dsn); code == 0 {
 		t.Fatal("purge without --before accepted")

@@ -93,10 +93,14 @@ func ExampleStore_FinishTx() {
 		log.Fatal(err)
 	}
 	resp := &idem.Response{Status: 201, Body: []byte(`{"id":"re_1"}`)}
-	if err := store.FinishTx(ctx, tx, eng.FinishParams(out.Lease, idem.StateCompleted, resp)); err != nil {
-		log.Fatal(err) // ErrLeaseLost: a newer owner has the record; the ledger write rolls back
-	}
-	if err := tx.Commit(ctx); err != nil {
+	err = eng.Settle(ctx, out.Lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
+		Commit: func(ctx context.Context, p idem.FinishParams) error {
+			if err := store.FinishTx(ctx, tx, p); err != nil {
+				return err // ErrLeaseLost: a newer owner has the record; the ledger write rolls back
+			}
+			return tx.Commit(ctx)
+		}})
+	if err != nil {
 		log.Fatal(err)
 	}
 }

@@ -399,10 +399,13 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 //	if _, err := tx.Exec(ctx, "INSERT INTO ledger (account, amount) VALUES ($1, $2)", acct, amount); err != nil {
 //		return err
 //	}
-//	if err := store.FinishTx(ctx, tx, eng.FinishParams(lease, idem.StateCompleted, resp)); err != nil {
-//		return err // ErrLeaseLost: the deferred Rollback undoes the ledger write
-//	}
-//	return tx.Commit(ctx)
+//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//			if err := store.FinishTx(ctx, tx, p); err != nil {
+//				return err // ErrLeaseLost: the deferred Rollback undoes the ledger write
+//			}
+//			return tx.Commit(ctx)
+//		}})
 func (s *Store) FinishTx(ctx context.Context, tx pgx.Tx, p idem.FinishParams) error {
 	if tx == nil {
 		return fmt.Errorf("pgstore: finish in transaction: %w: nil transaction", idem.ErrInvalid)

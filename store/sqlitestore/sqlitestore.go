@@ -218,14 +218,18 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 //	tx, _ := store.DB().BeginTx(ctx, nil)
 //	defer tx.Rollback()
 //	tx.ExecContext(ctx, `INSERT INTO ledger ...`)
-//	if err := store.FinishTx(ctx, tx, eng.FinishParams(lease, idem.StateCompleted, resp)); err != nil {
-//		return err // rolled back: nothing happened
-//	}
-//	return tx.Commit()
+//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//			if err := store.FinishTx(ctx, tx, p); err != nil {
+//				return err // rolled back: nothing happened
+//			}
+//			return tx.Commit()
+//		}})
 func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p idem.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
+	p.Repeat = false // the caller's writes in tx must never commit twice
 	return s.update(ctx, tx, "finish", p.Scope, p.Key, p.Apply)
 }
 

@@ -125,13 +125,16 @@ func TestFinishTx(t *testing.T) {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO ledger VALUES (?, 100)`, key); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.FinishTx(ctx, tx, e.FinishParams(out.Lease, idem.StateCompleted, &idem.Response{Status: 201})); err != nil {
-			return err
-		}
-		if !commit {
-			return nil // rolled back by the deferred Rollback
-		}
-		return tx.Commit()
+		return e.Settle(ctx, out.Lease, idem.Settlement{State: idem.StateCompleted, Response: &idem.Response{Status: 201},
+			Commit: func(ctx context.Context, p idem.FinishParams) error {
+				if err := s.FinishTx(ctx, tx, p); err != nil {
+					return err
+				}
+				if !commit {
+					return nil // rolled back by the deferred Rollback
+				}
+				return tx.Commit()
+			}})
 	}
 	ledger := func(key string) int {
 		var n int
@@ -172,7 +175,7 @@ func TestPruneDeletesRows(t *testing.T) {
 	if n, err := s.Prune(ctx, idem.PruneParams{Now: clock.Now(), Limit: 2}); err != nil || n != 2 {
 		t.Fatalf("Prune with limit 2 = %d, %v", n, err)
 	}
-	if n, err := e.Prune(ctx); err != nil || n != 1 {
+	if n, err := e.Prune(ctx, idem.PruneOptions{}); err != nil || n != 1 {
 		t.Fatalf("Prune of the rest = %d, %v", n, err)
 	}
 	var rows int

@@ -127,10 +127,11 @@ func testAcquireReplyLost(t *testing.T, f *faultHarness) {
 	f.proxy.DropNextReply()
 	out := f.begin(t, f.eng, "k", idem.Execute)
 	f.dropped(t, 1)
-	if err := f.eng.Complete(ctx, out.Lease, okResponse("once")); err != nil {
+	resp := okResponse("once")
+	if err := f.eng.Complete(ctx, out.Lease, resp); err != nil {
 		t.Fatal(err)
 	}
-	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, okResponse("once"))
+	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, resp)
 }
 
 // testFinishReplyLost: the store settled the record, and its answer was
@@ -140,14 +141,15 @@ func testFinishReplyLost(t *testing.T, f *faultHarness) {
 	f.warmUp(t)
 	l := f.begin(t, f.eng, "k", idem.Execute).Lease
 	f.proxy.DropNextReply()
-	if err := f.eng.Complete(ctx, l, okResponse("done")); err != nil {
+	resp := okResponse("done")
+	if err := f.eng.Complete(ctx, l, resp); err != nil {
 		t.Fatalf("Complete whose answer was lost: %v", err)
 	}
 	f.dropped(t, 1)
 	if n := f.eng.Pending(); n != 0 {
 		t.Fatalf("%d outcome(s) in the journal; the store was reachable", n)
 	}
-	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, okResponse("done"))
+	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, resp)
 }
 
 // testConnectionsCut: every connection to the store is cut (a restarted
@@ -157,14 +159,15 @@ func testConnectionsCut(t *testing.T, f *faultHarness) {
 	f.warmUp(t)
 	l := f.begin(t, f.eng, "k", idem.Execute).Lease
 	f.proxy.CutAll()
-	if err := f.eng.Complete(ctx, l, okResponse("done")); err != nil {
+	resp := okResponse("done")
+	if err := f.eng.Complete(ctx, l, resp); err != nil {
 		t.Fatalf("Complete after the connections were cut: %v", err)
 	}
 	if n := f.eng.Pending(); n != 0 {
 		t.Fatalf("%d outcome(s) in the journal; the store was reachable", n)
 	}
 	f.proxy.CutAll()
-	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, okResponse("done"))
+	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, resp)
 }
 
 // testOutageFailsAcquireClosed: while the store is unreachable, Begin fails

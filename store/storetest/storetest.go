@@ -739,7 +739,7 @@ func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 		t.Fatalf("prune touched the unknown record: %+v", r)
 	}
 	h.expect(t, "s", "live", Fingerprint("a"), idem.Replay)
-	if n, err := h.eng.Prune(ctx); err != nil || n != 0 {
+	if n, err := h.eng.Prune(ctx, idem.PruneOptions{}); err != nil || n != 0 {
 		t.Fatalf("second Prune = %d, %v; want nothing left to delete", n, err)
 	}
 }
