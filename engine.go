@@ -2,8 +2,6 @@ package idem
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/idemhq/idem/store"
 )
 
 // Defaults for [Config] and [BeginParams].
@@ -38,15 +38,12 @@ type systemClock struct{}
 func (systemClock) Now() time.Time                         { return time.Now() }
 func (systemClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
 
-// SystemClock is the wall clock.
-var SystemClock Clock = systemClock{}
-
 // Config configures an [Engine]. The zero value of every field but Store is a
 // sensible default.
 type Config struct {
 	// Store keeps the records. Required.
 	Store Store
-	// Clock tells the time. Defaults to [SystemClock]. All instances sharing
+	// Clock tells the time. Defaults to the wall clock. All instances sharing
 	// a store should have clocks within a small fraction of Lease.
 	Clock Clock
 	// Lease is how long a lease lasts unless renewed. Defaults to
@@ -113,7 +110,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention,
 		poll: cfg.Poll, storeTimeout: cfg.StoreTimeout, notifier: cfg.Notifier, log: cfg.Logger}
 	if e.clock == nil {
-		e.clock = SystemClock
+		e.clock = systemClock{}
 	}
 	if e.lease == 0 {
 		e.lease = DefaultLease
@@ -229,7 +226,7 @@ func (d Decision) String() string {
 
 // BeginParams describes a request about to run.
 type BeginParams struct {
-	// Scope isolates callers; see [ValidateScope].
+	// Scope isolates callers; see [store.ValidateScope].
 	Scope string
 	// Key is the client's idempotency key; see [ValidateKey].
 	Key string
@@ -284,7 +281,7 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	if err := ctx.Err(); err != nil {
 		return Outcome{}, err // gone before anything started
 	}
-	token, err := NewToken()
+	token, err := store.NewToken()
 	if err != nil {
 		return Outcome{}, err
 	}
@@ -292,7 +289,7 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 		return out, nil
 	}
 	now := e.clock.Now()
-	ap := AcquireParams{
+	ap := store.AcquireParams{
 		Scope:        p.Scope,
 		Key:          p.Key,
 		Fingerprint:  p.Fingerprint,
@@ -343,7 +340,7 @@ func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
 	expires := now.Add(l.Duration)
 	ctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
 	defer cancel()
-	if err := e.store.Renew(ctx, RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
+	if err := e.store.Renew(ctx, store.RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
 		return l, err
 	}
 	l.Expires = expires
@@ -450,7 +447,7 @@ type Settlement struct {
 // whether the settlement landed is not known (look again). Unlike Complete,
 // it is neither retried nor journaled, since two reconcilers borrowing one
 // token must not both succeed, and a Commit's own writes must not commit
-// twice. Waiters for the record are woken.
+// twice. store.Waiters for the record are woken.
 func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 	p := e.finishParams(l, s.State, s.Response)
 	var err error
@@ -469,13 +466,13 @@ func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 }
 
 // MaxBody is the largest response body the engine's store keeps (see
-// [BodyLimiter]); a completed outcome with a larger one is kept with its
+// [store.BodyLimiter]); a completed outcome with a larger one is kept with its
 // body omitted.
-func (e *Engine) MaxBody() int { return MaxBody(e.store) }
+func (e *Engine) MaxBody() int { return store.MaxBody(e.store) }
 
 // Get returns the live record under scope and key, or [ErrNotFound].
 func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
-	r, err := e.store.Get(ctx, GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+	r, err := e.store.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
 	if err == nil || errors.Is(err, ErrNotFound) {
 		e.answered()
 	}
@@ -485,7 +482,7 @@ func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
 // Scan returns a page of stale records (UNKNOWN, or IN_PROGRESS past their
 // lease) for a reconciler; pass the returned cursor to get the next page.
 func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult, error) {
-	return e.store.Scan(ctx, ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+	return e.store.Scan(ctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
 }
 
 // PruneOptions says what [Engine.Prune] deletes.
@@ -513,24 +510,15 @@ func (e *Engine) Prune(ctx context.Context, o PruneOptions) (int, error) {
 	}
 	total := 0
 	for {
-		n, err := e.store.Prune(ctx, PruneParams{Now: before, Limit: DefaultPruneLimit})
+		n, err := e.store.Prune(ctx, store.PruneParams{Now: before, Limit: store.DefaultPruneLimit})
 		total += n
 		if o.Progress != nil {
 			o.Progress(total)
 		}
-		if err != nil || n < DefaultPruneLimit {
+		if err != nil || n < store.DefaultPruneLimit {
 			return total, err
 		}
 	}
-}
-
-// NewToken returns a lease token: 128 random bits from crypto/rand, in hex.
-func NewToken() (string, error) {
-	var b [16]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", fmt.Errorf("idem: reading random token: %w", err)
-	}
-	return hex.EncodeToString(b[:]), nil
 }
 
 // Hold keeps l alive while work runs: it renews the lease every third of its

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -62,7 +63,7 @@ func TestDecisionString(t *testing.T) {
 func TestNewToken(t *testing.T) {
 	seen := map[string]bool{}
 	for range 1000 {
-		tok, err := idem.NewToken()
+		tok, err := store.NewToken()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -81,7 +82,7 @@ type signalStore struct {
 	fail    error
 }
 
-func (s *signalStore) Renew(ctx context.Context, p idem.RenewParams) error {
+func (s *signalStore) Renew(ctx context.Context, p store.RenewParams) error {
 	s.mu.Lock()
 	fail := s.fail
 	s.mu.Unlock()
@@ -206,15 +207,22 @@ func TestHoldStopsWithParent(t *testing.T) {
 	}
 }
 
-// flakyStore fails every Acquire with ErrUnavailable while down, and counts
-// the attempts.
+// flakyStore fails every Acquire and Finish with ErrUnavailable while down,
+// and counts the acquires attempted.
 type flakyStore struct {
 	idem.Store
 	down     atomic.Bool
 	attempts atomic.Int64
 }
 
-func (s *flakyStore) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *flakyStore) Finish(ctx context.Context, p idem.FinishParams) error {
+	if s.down.Load() {
+		return idem.ErrUnavailable
+	}
+	return s.Store.Finish(ctx, p)
+}
+
+func (s *flakyStore) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
 	s.attempts.Add(1)
 	if s.down.Load() {
 		return idem.Record{}, idem.ErrUnavailable

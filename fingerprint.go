@@ -28,16 +28,6 @@ type Payload struct {
 	Body []byte
 }
 
-// Fingerprint identifies a payload without revealing it. It holds a SHA-256
-// per part (method, path, query, body) under a version prefix, so a mismatch
-// can name the part that differed and never its value. Fingerprints are
-// compared for equality as strings.
-type Fingerprint string
-
-// FingerprintParts names the parts of a [Payload] in the order a
-// [Fingerprint] holds them.
-var FingerprintParts = [4]string{"method", "path", "query", "body"}
-
 // NewFingerprint computes the fingerprint of p with the current
 // [FingerprintVersion].
 func NewFingerprint(p Payload) Fingerprint {
@@ -50,26 +40,6 @@ func NewFingerprint(p Payload) Fingerprint {
 		b.WriteString(base64.RawURLEncoding.EncodeToString(sum[:]))
 	}
 	return Fingerprint(b.String())
-}
-
-// Diff names the parts in which f and g differ, in [FingerprintParts] order;
-// nil when they are equal. Fingerprints of different versions, or that are
-// not fingerprints at all, differ in "version".
-func (f Fingerprint) Diff(g Fingerprint) []string {
-	if f == g {
-		return nil
-	}
-	fp, gp := strings.Split(string(f), "."), strings.Split(string(g), ".")
-	if len(fp) != 5 || len(gp) != 5 || fp[0] != gp[0] {
-		return []string{"version"}
-	}
-	var diff []string
-	for i, name := range FingerprintParts {
-		if fp[i+1] != gp[i+1] {
-			diff = append(diff, name)
-		}
-	}
-	return diff
 }
 
 // canonicalQuery sorts parameters by name, keeping each name's values in

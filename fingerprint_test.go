@@ -6,13 +6,14 @@ import (
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 func TestFingerprint(t *testing.T) {
 	base := idem.Payload{Method: "POST", Path: "/v1/charges", Query: "b=2&a=1&a=0", Body: []byte(`{"amount":100}`)}
 	fp := idem.NewFingerprint(base)
-	if !strings.HasPrefix(string(fp), "v1.") || len(fp) > idem.MaxFingerprintLen {
-		t.Fatalf("fingerprint %q: want a v1 prefix and at most %d bytes", fp, idem.MaxFingerprintLen)
+	if !strings.HasPrefix(string(fp), "v1.") || len(fp) > store.MaxFingerprintLen {
+		t.Fatalf("fingerprint %q: want a v1 prefix and at most %d bytes", fp, store.MaxFingerprintLen)
 	}
 	if strings.Contains(string(fp), "amount") || strings.Contains(string(fp), "charges") {
 		t.Fatalf("fingerprint %q reveals the payload", fp)

@@ -34,210 +34,80 @@
 package idem
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
-	"net/http"
-	"slices"
-	"time"
+
+	"github.com/idemhq/idem/store"
 )
 
-// State is where a record stands in its life.
-type State string
+// The types of records and stores. They are defined in package store, which
+// store implementations use; these names are the same types.
+type (
+	// Store keeps records; the stores are the packages under store/.
+	Store = store.Store
+	// Record is what a store keeps under one scope and key.
+	Record = store.Record
+	// State is where a record stands in its life.
+	State = store.State
+	// Response is the stored outcome of a request: what a replay sends back.
+	Response = store.Response
+	// Fingerprint identifies a request's payload without revealing it; see
+	// [NewFingerprint].
+	Fingerprint = store.Fingerprint
+	// Checkpoint is a recovery point a handler recorded; see
+	// [Engine.Checkpoint].
+	Checkpoint = store.Checkpoint
+	// Lease is the right to run the work for one record and to write its
+	// outcome.
+	Lease = store.Lease
+	// FinishParams are what a store's transactional finish (pgstore's or
+	// sqlitestore's FinishTx) is given by [Settlement.Commit].
+	FinishParams = store.FinishParams
+	// ScanResult is one page of stale records; see [Engine.Scan].
+	ScanResult = store.ScanResult
+	// Notifier wakes waiters in other processes; see [Config.Notifier].
+	Notifier = store.Notifier
+)
 
 // The states of a record.
 const (
 	// StateInProgress: an owner holds the lease and is running the work.
-	StateInProgress State = "in_progress"
+	StateInProgress = store.StateInProgress
 	// StateCompleted: the outcome is stored and every retry replays it.
-	StateCompleted State = "completed"
+	StateCompleted = store.StateCompleted
 	// StateFailed: the owner declared that nothing happened; the next retry runs.
-	StateFailed State = "failed"
-	// StateUnknown: the side effect may or may not have happened (the lease
-	// expired, or the owner crashed mid-way); only the owner's late outcome or
-	// the reconciler settles it.
-	StateUnknown State = "unknown"
+	StateFailed = store.StateFailed
+	// StateUnknown: the side effect may or may not have happened; only the
+	// owner's late outcome or the reconciler settles it.
+	StateUnknown = store.StateUnknown
 )
 
-// Valid reports whether s is one of the four states.
-func (s State) Valid() bool {
-	switch s {
-	case StateInProgress, StateCompleted, StateFailed, StateUnknown:
-		return true
-	}
-	return false
-}
+// Limits of keys and scopes, in bytes.
+const (
+	MaxKeyLen   = store.MaxKeyLen
+	MaxScopeLen = store.MaxScopeLen
+)
 
-// Terminal reports whether s is a settled state (COMPLETED or FAILED). Only
-// terminal records expire; IN_PROGRESS and UNKNOWN records are kept until they
-// are settled, because they may stand for a side effect nobody has accounted for.
-func (s State) Terminal() bool { return s == StateCompleted || s == StateFailed }
-
-// Sentinel errors. Stores translate their drivers' errors into these at their
-// edge, so callers test with errors.Is and never see a driver's error type.
+// Errors, the same values as package store's: test with errors.Is.
 var (
 	// ErrNotFound: there is no live record under the scope and key.
-	ErrNotFound = errors.New("idem: record not found")
-	// ErrLeaseLost: the lease token no longer owns the record (it expired,
-	// was taken over, or the record was settled by someone else).
-	ErrLeaseLost = errors.New("idem: lease lost")
-	// ErrInvalid: the input is malformed (bad key, scope, token, state, or a
-	// missing response). The wrapping error says which and why.
-	ErrInvalid = errors.New("idem: invalid input")
-	// ErrUnavailable: the store could not be reached or did not answer. The
-	// operation's outcome is not known; callers must fail closed.
-	ErrUnavailable = errors.New("idem: store unavailable")
+	ErrNotFound = store.ErrNotFound
+	// ErrLeaseLost: the lease token no longer owns the record.
+	ErrLeaseLost = store.ErrLeaseLost
+	// ErrInvalid: the input is malformed; the wrapping error says why.
+	ErrInvalid = store.ErrInvalid
+	// ErrUnavailable: the store could not be reached or did not answer.
+	ErrUnavailable = store.ErrUnavailable
 )
 
-// MaxKeyLen is the longest idempotency key accepted, in bytes.
-const MaxKeyLen = 255
+// KeyHash names a record without revealing its key: every component logs
+// it as key_hash, so one record can be followed across them; see
+// [store.KeyHash].
+func KeyHash(scope, key string) string { return store.KeyHash(scope, key) }
 
-// MaxScopeLen is the longest scope accepted, in bytes.
-const MaxScopeLen = 255
-
-// Response is the stored outcome of a request: what a replay sends back.
-type Response struct {
-	// Status is the HTTP status code (100–999).
-	Status int
-	// Header holds the headers to replay. Nil means none.
-	Header http.Header
-	// Body is the response body as sent, or nil when BodyOmitted.
-	Body []byte
-	// BodyOmitted is true when the body was delivered once but not stored
-	// (it was over the size limit, or streamed); a replay must say so rather
-	// than send a wrong or empty body.
-	BodyOmitted bool
-}
-
-// Equal reports whether r and o are the same outcome: status, headers (a
-// nil and an empty header are the same), body and BodyOmitted. Two nil
-// responses are equal.
-func (r *Response) Equal(o *Response) bool {
-	if r == nil || o == nil {
-		return r == o
-	}
-	if r.Status != o.Status || r.BodyOmitted != o.BodyOmitted || !bytes.Equal(r.Body, o.Body) || len(r.Header) != len(o.Header) {
-		return false
-	}
-	for name, values := range r.Header {
-		if !slices.Equal(values, o.Header[name]) {
-			return false
-		}
-	}
-	return true
-}
-
-// Record is what a store keeps under one scope and key.
-type Record struct {
-	// Scope isolates callers: the same key in two scopes is two records.
-	Scope string
-	// Key is the idempotency key as the client sent it.
-	Key string
-	// State is the record's state as stored. An IN_PROGRESS record whose lease
-	// has expired is effectively UNKNOWN (or free to take over when
-	// TakeoverSafe); see [Record.Stale].
-	State State
-	// Fingerprint identifies the payload of the request that created the record.
-	Fingerprint Fingerprint
-	// Token is the current lease token. Every write after acquire compares it.
-	Token string
-	// Fence counts the leases granted on this record: 1 for the first owner,
-	// one more for each takeover or re-run after a release. A larger fence is
-	// a newer owner, so downstream systems can reject stale writers.
-	Fence int64
-	// LeaseExpires is when the current lease ends unless renewed.
-	LeaseExpires time.Time
-	// TakeoverSafe is true when the owner declared that all its effects commit
-	// together with the record, so a retry may take over an expired lease.
-	TakeoverSafe bool
-	// Response is the stored outcome; set only when State is COMPLETED.
-	Response *Response
-	// Created is when the record (or its current incarnation) was created.
-	Created time.Time
-	// Updated is when the record was last written.
-	Updated time.Time
-	// Expires is when a terminal record stops being replayed and may be
-	// pruned; zero while the record is IN_PROGRESS or UNKNOWN.
-	Expires time.Time
-	// Checkpoints are the recovery points the owners recorded, oldest first.
-	Checkpoints []Checkpoint
-}
-
-// Lease is the record's current lease, borrowed: whoever settles a stale
-// record ([Engine.Settle]) does so under its token, so that a compare-and-set
-// refuses the settlement once somebody else has settled it.
-func (r *Record) Lease() Lease {
-	return Lease{Scope: r.Scope, Key: r.Key, Token: r.Token, Fence: r.Fence, Fingerprint: r.Fingerprint, Expires: r.LeaseExpires}
-}
-
-// Live reports whether the record is still visible at now: non-terminal
-// records always are; terminal ones until Expires.
-func (r *Record) Live(now time.Time) bool {
-	return r.Expires.IsZero() || now.Before(r.Expires)
-}
-
-// Stale reports whether the record needs the reconciler at now: it is UNKNOWN,
-// or IN_PROGRESS with a lease that has run out.
-func (r *Record) Stale(now time.Time) bool {
-	return r.State == StateUnknown || (r.State == StateInProgress && !now.Before(r.LeaseExpires))
-}
-
-// Lease is the right to run the work for one record and to write its outcome.
-// It is a value: renewing returns a new Lease with a later Expires.
-type Lease struct {
-	// Scope and Key name the record.
-	Scope, Key string
-	// Token is a random 128-bit value, hex-encoded; writes compare it.
-	Token string
-	// Fence is the record's fence at acquisition (see [Record.Fence]).
-	Fence int64
-	// Fingerprint is the payload's, as stored on the record.
-	Fingerprint Fingerprint
-	// Expires is when the lease ends unless renewed.
-	Expires time.Time
-	// Duration is the length of each renewal.
-	Duration time.Duration
-	// Retention is how long the outcome is kept once stored.
-	Retention time.Duration
-}
+// ValidateKey reports whether key is acceptable: 1 to [MaxKeyLen] bytes of
+// printable ASCII. The error wraps [ErrInvalid].
+func ValidateKey(key string) error { return store.ValidateKey(key) }
 
 func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalid, fmt.Sprintf(format, args...))
-}
-
-// ValidateKey reports whether key is acceptable: 1 to [MaxKeyLen] bytes of
-// printable ASCII (space through tilde). The error wraps [ErrInvalid].
-func ValidateKey(key string) error {
-	if key == "" {
-		return invalid("key is empty")
-	}
-	if len(key) > MaxKeyLen {
-		return invalid("key is %d bytes, over the limit of %d", len(key), MaxKeyLen)
-	}
-	if i := nonPrintable(key); i >= 0 {
-		return invalid("key has a byte that is not printable ASCII at offset %d", i)
-	}
-	return nil
-}
-
-// ValidateScope reports whether scope is acceptable: at most [MaxScopeLen]
-// bytes of printable ASCII. The empty scope is allowed (no scoping). The error
-// wraps [ErrInvalid].
-func ValidateScope(scope string) error {
-	if len(scope) > MaxScopeLen {
-		return invalid("scope is %d bytes, over the limit of %d", len(scope), MaxScopeLen)
-	}
-	if i := nonPrintable(scope); i >= 0 {
-		return invalid("scope has a byte that is not printable ASCII at offset %d", i)
-	}
-	return nil
-}
-
-func nonPrintable(s string) int {
-	for i := 0; i < len(s); i++ {
-		if s[i] < 0x20 || s[i] > 0x7e {
-			return i
-		}
-	}
-	return -1
 }

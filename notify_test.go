@@ -7,12 +7,13 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 )
 
 // sharedNotifier stands in for PostgreSQL LISTEN/NOTIFY between engines:
 // both engines hold the same one.
-type sharedNotifier struct{ waiters idem.Waiters }
+type sharedNotifier struct{ waiters store.Waiters }
 
 func (n *sharedNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
 	return n.waiters.Add(idem.KeyHash(scope, key))
@@ -24,7 +25,7 @@ func (n *sharedNotifier) Notify(ctx context.Context, scope, key string) error {
 }
 
 func TestWaiters(t *testing.T) {
-	var w idem.Waiters
+	var w store.Waiters
 	a, cancelA := w.Add(idem.KeyHash("s", "a"))
 	b, _ := w.Add(idem.KeyHash("s", "b"))
 	w.Wake(idem.KeyHash("s", "a"))

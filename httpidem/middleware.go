@@ -58,8 +58,8 @@ const (
 	DefaultMaxResponseBody = 1 << 20
 )
 
-// DefaultMethods are the methods covered when [Config.Methods] is empty.
-var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+// DefaultMethods returns the methods covered when [Config.Methods] is empty.
+func DefaultMethods() []string { return []string{http.MethodPost, http.MethodPatch} }
 
 // InProgressRetryAfter is the Retry-After of a 409 in-progress answer.
 const InProgressRetryAfter = time.Second
@@ -102,7 +102,7 @@ type Config struct {
 	MaxRequestBody int64
 	// MaxResponseBody is the largest body stored. Defaults to
 	// [DefaultMaxResponseBody], and is never more than the store keeps
-	// (idem.MaxBody).
+	// (store.MaxBody).
 	MaxResponseBody int64
 	// StoreHeaders, when set, is an allowlist: only these response headers
 	// are stored and replayed. Defaults to nil: every header but
@@ -178,7 +178,7 @@ func New(cfg Config) (*Middleware, error) {
 	// Never ask the store to keep more than it can.
 	cfg.MaxResponseBody = min(cfg.MaxResponseBody, int64(cfg.Engine.MaxBody()))
 	if len(cfg.Methods) == 0 {
-		cfg.Methods = DefaultMethods
+		cfg.Methods = DefaultMethods()
 	}
 	m := &Middleware{cfg: cfg, methods: map[string]bool{}, log: cfg.Logger}
 	for _, method := range cfg.Methods {

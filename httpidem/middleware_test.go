@@ -18,6 +18,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -248,7 +249,7 @@ type acquireSignal struct {
 	acquired chan idem.Record
 }
 
-func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *acquireSignal) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
 	r, err := s.Store.Acquire(ctx, p)
 	s.acquired <- r
 	return r, err
@@ -375,7 +376,7 @@ func TestPanicMakesOutcomeUncertain(t *testing.T) {
 // downStore is a store that cannot be reached.
 type downStore struct{ idem.Store }
 
-func (downStore) Acquire(context.Context, idem.AcquireParams) (idem.Record, error) {
+func (downStore) Acquire(context.Context, store.AcquireParams) (idem.Record, error) {
 	return idem.Record{}, fmt.Errorf("dial tcp: connection refused: %w", idem.ErrUnavailable)
 }
 
@@ -574,7 +575,7 @@ func TestClientDisconnectDoesNotCancel(t *testing.T) {
 // renewBlocker fails every renewal: the store is unreachable for the owner.
 type renewBlocker struct{ idem.Store }
 
-func (renewBlocker) Renew(context.Context, idem.RenewParams) error {
+func (renewBlocker) Renew(context.Context, store.RenewParams) error {
 	return fmt.Errorf("timeout: %w", idem.ErrUnavailable)
 }
 

@@ -47,8 +47,8 @@ const (
 	DefaultMaxBody = 10 << 20
 )
 
-// DefaultMethods get a key when they have none.
-var DefaultMethods = []string{http.MethodPost, http.MethodPatch}
+// DefaultMethods returns the methods that get a key when they have none.
+func DefaultMethods() []string { return []string{http.MethodPost, http.MethodPatch} }
 
 // Config configures a [Transport]. Zero values are defaults.
 type Config struct {
@@ -97,7 +97,7 @@ func New(cfg Config) *Transport {
 		cfg.Key = NewUUIDv4
 	}
 	if len(cfg.Methods) == 0 {
-		cfg.Methods = DefaultMethods
+		cfg.Methods = DefaultMethods()
 	}
 	if cfg.MaxAttempts <= 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts

@@ -17,6 +17,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -285,7 +286,7 @@ type outageStore struct {
 	down atomic.Bool
 }
 
-func (s *outageStore) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *outageStore) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResult, error) {
 	if s.down.Load() {
 		return idem.ScanResult{}, idem.ErrUnavailable
 	}

@@ -30,6 +30,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store"
 )
 
 // DefaultAcquirerTimeout bounds a call to the acquirer.
@@ -237,7 +238,7 @@ func (s *Service) record(ctx context.Context, c Charge, scope, key string, p ide
 		}
 		if c.Status == "succeeded" {
 			// A random id: nothing but idem stands between a retry and a second debit.
-			id, err := idem.NewToken()
+			id, err := store.NewToken()
 			if err != nil {
 				return err
 			}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // Health watches the store: whether it answers, what a crash of its server
@@ -35,7 +36,7 @@ type HealthStatus struct {
 	// Err is why it did not.
 	Err string
 	// Durability is what the store last said of its server, when Known.
-	Durability idem.Durability
+	Durability store.Durability
 	Known      bool
 	// Restarts counts the server restarts seen (its instance changed).
 	Restarts int
@@ -58,9 +59,9 @@ const readinessKey = "idem-readiness-probe"
 func (h *Health) Check(ctx context.Context) HealthStatus {
 	_, err := h.eng.Get(ctx, "", readinessKey)
 	reachable := err == nil || errors.Is(err, idem.ErrNotFound)
-	var d idem.Durability
+	var d store.Durability
 	known := false
-	if r, ok := h.store.(idem.DurabilityReporter); ok && reachable {
+	if r, ok := h.store.(store.DurabilityReporter); ok && reachable {
 		var derr error
 		if d, derr = r.Durability(ctx); derr == nil {
 			known = true
@@ -103,7 +104,7 @@ func (h *Health) Check(ctx context.Context) HealthStatus {
 	return st
 }
 
-func (h *Health) logDurability(d idem.Durability) {
+func (h *Health) logDurability(d store.Durability) {
 	if d.CrashSafe {
 		h.log.Info("store durability: a crash of the store loses nothing it acknowledged", "store", h.kind, "durability", d.Detail)
 		return

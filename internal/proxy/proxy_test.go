@@ -19,6 +19,7 @@ import (
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -295,7 +296,7 @@ func TestBadRoutesAreRefused(t *testing.T) {
 
 type downStore struct{ idem.Store }
 
-func (downStore) Get(context.Context, idem.GetParams) (idem.Record, error) {
+func (downStore) Get(context.Context, store.GetParams) (idem.Record, error) {
 	return idem.Record{}, idem.ErrUnavailable
 }
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // reopenEvery is how often a store whose server could not be reached yet is
@@ -58,9 +59,9 @@ type eventual struct {
 }
 
 var (
-	_ idem.Store              = (*eventual)(nil)
-	_ idem.BodyLimiter        = (*eventual)(nil)
-	_ idem.DurabilityReporter = (*eventual)(nil)
+	_ idem.Store               = (*eventual)(nil)
+	_ store.BodyLimiter        = (*eventual)(nil)
+	_ store.DurabilityReporter = (*eventual)(nil)
 )
 
 // store returns the open store, opening it when the pause since the last
@@ -107,10 +108,10 @@ func (e *eventual) newNotifier(ctx context.Context) (idem.Notifier, error) {
 	return e.opened.NewNotifier(ctx)
 }
 
-// MaxBody implements [idem.BodyLimiter]: the limit of the store's kind.
+// MaxBody implements [store.BodyLimiter]: the limit of the store's kind.
 func (e *eventual) MaxBody() int { return e.maxBody }
 
-func (e *eventual) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (e *eventual) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
 	s, err := e.store(ctx)
 	if err != nil {
 		return idem.Record{}, err
@@ -118,7 +119,7 @@ func (e *eventual) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Reco
 	return s.Acquire(ctx, p)
 }
 
-func (e *eventual) Renew(ctx context.Context, p idem.RenewParams) error {
+func (e *eventual) Renew(ctx context.Context, p store.RenewParams) error {
 	s, err := e.store(ctx)
 	if err != nil {
 		return err
@@ -126,7 +127,7 @@ func (e *eventual) Renew(ctx context.Context, p idem.RenewParams) error {
 	return s.Renew(ctx, p)
 }
 
-func (e *eventual) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+func (e *eventual) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	s, err := e.store(ctx)
 	if err != nil {
 		return err
@@ -142,7 +143,7 @@ func (e *eventual) Finish(ctx context.Context, p idem.FinishParams) error {
 	return s.Finish(ctx, p)
 }
 
-func (e *eventual) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+func (e *eventual) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
 	s, err := e.store(ctx)
 	if err != nil {
 		return idem.Record{}, err
@@ -150,7 +151,7 @@ func (e *eventual) Get(ctx context.Context, p idem.GetParams) (idem.Record, erro
 	return s.Get(ctx, p)
 }
 
-func (e *eventual) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (e *eventual) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResult, error) {
 	s, err := e.store(ctx)
 	if err != nil {
 		return idem.ScanResult{}, err
@@ -158,7 +159,7 @@ func (e *eventual) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult
 	return s.Scan(ctx, p)
 }
 
-func (e *eventual) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+func (e *eventual) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	s, err := e.store(ctx)
 	if err != nil {
 		return 0, err
@@ -166,15 +167,15 @@ func (e *eventual) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
 	return s.Prune(ctx, p)
 }
 
-// Durability implements [idem.DurabilityReporter] once the store is open.
-func (e *eventual) Durability(ctx context.Context) (idem.Durability, error) {
+// Durability implements [store.DurabilityReporter] once the store is open.
+func (e *eventual) Durability(ctx context.Context) (store.Durability, error) {
 	s, err := e.store(ctx)
 	if err != nil {
-		return idem.Durability{}, err
+		return store.Durability{}, err
 	}
-	r, ok := s.(idem.DurabilityReporter)
+	r, ok := s.(store.DurabilityReporter)
 	if !ok {
-		return idem.Durability{Detail: "unknown"}, nil
+		return store.Durability{Detail: "unknown"}, nil
 	}
 	return r.Durability(ctx)
 }

@@ -37,6 +37,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store"
 )
 
 // Telemetry holds a process's metrics and tracer.
@@ -169,22 +170,22 @@ func (t *Telemetry) Wrap(h http.Handler) http.Handler {
 // Store instruments s: a latency observation and a span per operation.
 // name labels it (sqlite, postgres, redis, memory).
 func (t *Telemetry) Store(name string, s idem.Store) idem.Store {
-	return &store{t: t, name: name, next: s}
+	return &measured{t: t, name: name, next: s}
 }
 
-type store struct {
+type measured struct {
 	t    *Telemetry
 	name string
 	next idem.Store
 }
 
 var (
-	_ idem.Store       = (*store)(nil)
-	_ idem.BodyLimiter = (*store)(nil)
+	_ idem.Store        = (*measured)(nil)
+	_ store.BodyLimiter = (*measured)(nil)
 )
 
 // MaxBody passes on the wrapped store's limit.
-func (s *store) MaxBody() int { return idem.MaxBody(s.next) }
+func (s *measured) MaxBody() int { return store.MaxBody(s.next) }
 
 func result(err error) string {
 	switch {
@@ -200,7 +201,7 @@ func result(err error) string {
 	return "error"
 }
 
-func (s *store) observe(ctx context.Context, op string, fn func(context.Context) error) {
+func (s *measured) observe(ctx context.Context, op string, fn func(context.Context) error) {
 	ctx, span := s.t.tracer.Start(ctx, "idem.store."+op, trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("idem.store", s.name)))
 	start := time.Now()
@@ -217,37 +218,37 @@ func (s *store) observe(ctx context.Context, op string, fn func(context.Context)
 	span.End()
 }
 
-func (s *store) Acquire(ctx context.Context, p idem.AcquireParams) (r idem.Record, err error) {
+func (s *measured) Acquire(ctx context.Context, p store.AcquireParams) (r idem.Record, err error) {
 	s.observe(ctx, "acquire", func(ctx context.Context) error { r, err = s.next.Acquire(ctx, p); return err })
 	return r, err
 }
 
-func (s *store) Renew(ctx context.Context, p idem.RenewParams) (err error) {
+func (s *measured) Renew(ctx context.Context, p store.RenewParams) (err error) {
 	s.observe(ctx, "renew", func(ctx context.Context) error { err = s.next.Renew(ctx, p); return err })
 	return err
 }
 
-func (s *store) Checkpoint(ctx context.Context, p idem.CheckpointParams) (err error) {
+func (s *measured) Checkpoint(ctx context.Context, p store.CheckpointParams) (err error) {
 	s.observe(ctx, "checkpoint", func(ctx context.Context) error { err = s.next.Checkpoint(ctx, p); return err })
 	return err
 }
 
-func (s *store) Finish(ctx context.Context, p idem.FinishParams) (err error) {
+func (s *measured) Finish(ctx context.Context, p idem.FinishParams) (err error) {
 	s.observe(ctx, "finish", func(ctx context.Context) error { err = s.next.Finish(ctx, p); return err })
 	return err
 }
 
-func (s *store) Get(ctx context.Context, p idem.GetParams) (r idem.Record, err error) {
+func (s *measured) Get(ctx context.Context, p store.GetParams) (r idem.Record, err error) {
 	s.observe(ctx, "get", func(ctx context.Context) error { r, err = s.next.Get(ctx, p); return err })
 	return r, err
 }
 
-func (s *store) Scan(ctx context.Context, p idem.ScanParams) (r idem.ScanResult, err error) {
+func (s *measured) Scan(ctx context.Context, p store.ScanParams) (r idem.ScanResult, err error) {
 	s.observe(ctx, "scan", func(ctx context.Context) error { r, err = s.next.Scan(ctx, p); return err })
 	return r, err
 }
 
-func (s *store) Prune(ctx context.Context, p idem.PruneParams) (n int, err error) {
+func (s *measured) Prune(ctx context.Context, p store.PruneParams) (n int, err error) {
 	s.observe(ctx, "prune", func(ctx context.Context) error { n, err = s.next.Prune(ctx, p); return err })
 	return n, err
 }

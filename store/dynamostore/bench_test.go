@@ -12,6 +12,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -33,7 +34,7 @@ func newBench(b *testing.B) bench {
 }
 
 func newToken(b *testing.B) string {
-	t, err := idem.NewToken()
+	t, err := store.NewToken()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -85,7 +86,7 @@ func BenchmarkRawPutUpdate(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := storetest.BenchResponse.MarshalBinary()
+	resp, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -118,7 +119,7 @@ func BenchmarkRawGet(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := storetest.BenchResponse.MarshalBinary()
+	resp, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,7 +1,7 @@
-// Package dynamostore is an [idem.Store] on Amazon DynamoDB, through
+// Package dynamostore is an [store.Store] on Amazon DynamoDB, through
 // aws-sdk-go-v2. Every operation is a single-item request (PutItem,
 // UpdateItem or GetItem) whose condition expression does the compare-and-set;
-// the logic of [idem.AcquireParams.Apply] runs in Go on the item that
+// the logic of [store.AcquireParams.Apply] runs in Go on the item that
 // DynamoDB sends back. The caller builds the *dynamodb.Client (region,
 // credentials, retries) and passes it in [Config].
 //
@@ -32,11 +32,11 @@
 //	ver        N     a version, one more on every write
 //	expires    N     when a settled record expires (settled records only)
 //	ttl        N     expires as epoch seconds, rounded up (settled records only)
-//	resp       B     the response without its body: [idem.Response.MarshalBinary]
+//	resp       B     the response without its body: [store.Response.MarshalBinary]
 //	                 of it with Body nil (COMPLETED only)
 //	body       B     the response body, raw (COMPLETED with a stored, non-empty body)
 //	cps        L     the checkpoints, oldest first: one B per checkpoint, its
-//	                 [idem.AppendCheckpoint] line (absent when there are none)
+//	                 [store.AppendCheckpoint] line (absent when there are none)
 //	cps_bytes  N     the sum over cps of each line's length plus one
 //	gsi_shard  S     crc32(pk) mod Shards, in decimal (unsettled records only)
 //	gsi_lease  N     when the record is due for the reconciler: the lease's end
@@ -85,12 +85,12 @@
 // 2 round trips. dynalite, the local server the tests use, is one; DynamoDB
 // has sent the item back since June 2023. A write that loses a race to
 // another writer of the same item reads what won and decides again (at most
-// 16 times, then [idem.ErrUnavailable]). A failed condition on a renew is a
+// 16 times, then [store.ErrUnavailable]). A failed condition on a renew is a
 // lost lease at once; on a checkpoint or a finish the store looks at the
 // item sent back to tell a lost lease from a full record or from its own
 // earlier attempt that the SDK retried after losing the answer (which then
 // counts as done: a checkpoint is not recorded twice, a completion marked
-// [idem.FinishParams.Repeat] does not report a lost lease). The SDK's own retries (throttling, 5xx, broken
+// [store.FinishParams.Repeat] does not report a lost lease). The SDK's own retries (throttling, 5xx, broken
 // connections) add round trips of their own.
 //
 // # Costs
@@ -120,9 +120,9 @@
 // at most [MaxBodyBytes] (350 KiB; [Store.MaxBody] reports it, and Finish
 // with a larger body stores the response with BodyOmitted, never failing
 // for it), a response without its body of at most [MaxHeaderBytes] (16 KiB
-// encoded: status and headers; more fails with [idem.ErrInvalid] before
+// encoded: status and headers; more fails with [store.ErrInvalid] before
 // anything is written), checkpoints of at most [MaxCheckpointBytes] (32 KiB;
-// a checkpoint past it fails with [idem.ErrInvalid] and is not written),
+// a checkpoint past it fails with [store.ErrInvalid] and is not written),
 // and at most 2 KiB for everything else, names included, with the longest
 // scope, key, fingerprint and token. The tests fill a record to every
 // budget: it takes 403,687 bytes by the store's reckoning (which may
@@ -142,12 +142,12 @@
 // # Errors
 //
 // Errors are translated at the store's edge: a condition that fails because
-// the token no longer owns the record gives [idem.ErrLeaseLost], a missing
-// or expired record [idem.ErrNotFound]; a failure to reach DynamoDB or to
+// the token no longer owns the record gives [store.ErrLeaseLost], a missing
+// or expired record [store.ErrNotFound]; a failure to reach DynamoDB or to
 // read its answer (refused or broken connections, timeouts, a deadline that
 // ran out), throttling (ProvisionedThroughputExceeded, ThrottlingException,
 // RequestLimitExceeded), a 5xx answer, and a transaction holding the item
-// wrap [idem.ErrUnavailable]; a table that does not exist wraps
+// wrap [store.ErrUnavailable]; a table that does not exist wraps
 // [ErrTableNotFound]. A cancelled context stays recognisable with
 // errors.Is(err, context.Canceled) and is not ErrUnavailable. The SDK's
 // error stays in the chain for logs, but no SDK type is part of the API.

@@ -16,12 +16,12 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 var (
-	_ idem.Store       = (*Store)(nil)
-	_ idem.BodyLimiter = (*Store)(nil)
+	_ store.Store       = (*Store)(nil)
+	_ store.BodyLimiter = (*Store)(nil)
 )
 
 // Defaults for [Config].
@@ -36,7 +36,7 @@ const (
 
 // maxAttempts bounds the read-decide-write rounds of one call that loses
 // races to concurrent writers of the same item; past it the call gives up
-// with [idem.ErrUnavailable].
+// with [store.ErrUnavailable].
 const maxAttempts = 16
 
 // Config configures a [Store]. The zero value of every field but Client is a
@@ -59,7 +59,7 @@ type Config struct {
 	Shards int
 }
 
-// Store is an [idem.Store] on DynamoDB. It is safe for concurrent use, and
+// Store is an [store.Store] on DynamoDB. It is safe for concurrent use, and
 // any number of processes may share one table through stores with the same
 // Shards. Make one with [New].
 type Store struct {
@@ -70,30 +70,30 @@ type Store struct {
 
 var tableName = regexp.MustCompile(`^[a-zA-Z0-9_.-]{3,255}$`)
 
-// New returns a store for cfg. The error wraps [idem.ErrInvalid] when cfg is
+// New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
 // not valid. New does not contact DynamoDB.
 func New(cfg Config) (*Store, error) {
 	if cfg.Client == nil {
-		return nil, fmt.Errorf("dynamostore: %w: config has no client", idem.ErrInvalid)
+		return nil, fmt.Errorf("dynamostore: %w: config has no client", store.ErrInvalid)
 	}
 	table := cfg.Table
 	if table == "" {
 		table = DefaultTable
 	}
 	if !tableName.MatchString(table) {
-		return nil, fmt.Errorf("dynamostore: %w: table name %q is not 3 to 255 of a-z, A-Z, 0-9, '_', '-' and '.'", idem.ErrInvalid, table)
+		return nil, fmt.Errorf("dynamostore: %w: table name %q is not 3 to 255 of a-z, A-Z, 0-9, '_', '-' and '.'", store.ErrInvalid, table)
 	}
 	shards := cfg.Shards
 	if shards == 0 {
 		shards = DefaultShards
 	}
 	if shards < 1 || shards > MaxShards {
-		return nil, fmt.Errorf("dynamostore: %w: shards must be 1 to %d, not %d", idem.ErrInvalid, MaxShards, shards)
+		return nil, fmt.Errorf("dynamostore: %w: shards must be 1 to %d, not %d", store.ErrInvalid, MaxShards, shards)
 	}
 	return &Store{client: cfg.Client, table: table, shards: uint32(shards)}, nil
 }
 
-// MaxBody implements [idem.BodyLimiter]: [MaxBodyBytes]. A Finish with a
+// MaxBody implements [store.BodyLimiter]: [MaxBodyBytes]. A Finish with a
 // larger body stores the response with the body omitted.
 func (s *Store) MaxBody() int { return MaxBodyBytes }
 
@@ -192,27 +192,27 @@ func (s *Store) update(ctx context.Context, op, pk string, e *expr, update, cond
 	return cur, false, err
 }
 
-// Acquire implements [idem.Store]. It puts a new item on the condition that
+// Acquire implements [store.Store]. It puts a new item on the condition that
 // none exists: one round trip. When one exists, DynamoDB sends it back with
-// the failed condition and [idem.AcquireParams.Apply] decides in Go; a
+// the failed condition and [store.AcquireParams.Apply] decides in Go; a
 // replay, a mismatch or an in-flight answer costs nothing more. A transition
 // (re-creation over an expired or FAILED record, a takeover, the UNKNOWN
 // mark) is one more PutItem on the condition that the item is still the
 // version that was read (same token and version), repeated on a lost race.
 // A server that does not send the item back with a failed condition costs
 // one consistent GetItem more.
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
+		return store.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
 	}
 	p.Now, p.LeaseExpires = trunc(p.Now), trunc(p.LeaseExpires)
 	pk := pkOf(p.Scope, p.Key)
 	var cur *stored
 	for range maxAttempts {
-		var existing *idem.Record
+		var existing *store.Record
 		if cur != nil {
 			existing = &cur.Record
 		}
@@ -232,7 +232,7 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 		}
 		item, err := s.encode(&next, ver)
 		if err != nil {
-			return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
+			return store.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
 		}
 		_, err = s.client.PutItem(ctx, &dynamodb.PutItemInput{
 			TableName:                           &s.table,
@@ -247,17 +247,17 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 		}
 		ccf, ok := isConditionFailed(err)
 		if !ok {
-			return idem.Record{}, s.translate("acquire", err)
+			return store.Record{}, s.translate("acquire", err)
 		}
 		if cur, err = s.current(ctx, "acquire", pk, ccf); err != nil {
-			return idem.Record{}, err
+			return store.Record{}, err
 		}
 	}
-	return idem.Record{}, fmt.Errorf("dynamostore: acquire: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+	return store.Record{}, fmt.Errorf("dynamostore: acquire: %w: the item kept changing under %d attempts", store.ErrUnavailable, maxAttempts)
 }
 
-// Renew implements [idem.Store]: one conditional UpdateItem.
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+// Renew implements [store.Store]: one conditional UpdateItem.
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -269,7 +269,7 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	update := "SET " + e.n(attrLease) + " = " + lease + ", " + e.n(attrStaleAt) + " = " + lease + ", " +
 		e.n(attrUpdated) + " = " + now + " ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
 	cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
-		e.n(attrState) + " = " + e.v(":ip", avS(string(idem.StateInProgress))) + " AND " +
+		e.n(attrState) + " = " + e.v(":ip", avS(string(store.StateInProgress))) + " AND " +
 		e.n(attrLease) + " > " + now
 	_, err := s.client.UpdateItem(ctx, &dynamodb.UpdateItemInput{
 		TableName:                 &s.table,
@@ -280,7 +280,7 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 		ExpressionAttributeValues: e.valueMap(),
 	})
 	if _, ok := isConditionFailed(err); ok {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	if err != nil {
 		return s.translate("renew", err)
@@ -288,13 +288,13 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	return nil
 }
 
-// Checkpoint implements [idem.Store]: one conditional UpdateItem that
+// Checkpoint implements [store.Store]: one conditional UpdateItem that
 // appends the checkpoint to the item's list (list_append). The same
 // checkpoint (name, data and time) is not appended twice, so a request the
 // SDK retried after it had landed changes nothing. A checkpoint that would
 // take the record's checkpoints past [MaxCheckpointBytes] fails with an
-// error wrapping [idem.ErrInvalid].
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+// error wrapping [store.ErrInvalid].
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -302,7 +302,7 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 		return fmt.Errorf("dynamostore: checkpoint: %w", err)
 	}
 	pk := pkOf(p.Scope, p.Key)
-	line := idem.AppendCheckpoint(nil, p.Checkpoint())
+	line := store.AppendCheckpoint(nil, p.Checkpoint())
 	room := int64(MaxCheckpointBytes - len(line) - 1)
 	for range maxAttempts {
 		e := newExpr()
@@ -313,7 +313,7 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 			e.n(attrTakeover) + " = " + e.v(":false", avBool(false)) + ", " + e.n(attrUpdated) + " = " + now +
 			" ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1)) + ", " + cpsBytes + " " + e.v(":size", avN(int64(len(line)+1)))
 		cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
-			e.n(attrState) + " = " + e.v(":ip", avS(string(idem.StateInProgress))) + " AND " +
+			e.n(attrState) + " = " + e.v(":ip", avS(string(store.StateInProgress))) + " AND " +
 			e.n(attrLease) + " > " + now + " AND " +
 			"(attribute_not_exists(" + cpsBytes + ") OR " + cpsBytes + " <= " + e.v(":room", avN(room)) + ") AND " +
 			"(attribute_not_exists(" + cps + ") OR NOT contains(" + cps + ", " + newLine + "))"
@@ -322,25 +322,25 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 			return err
 		}
 		switch {
-		case cur == nil || cur.Token != p.Token || cur.State != idem.StateInProgress || !p.Now.Before(cur.LeaseExpires):
-			return idem.ErrLeaseLost
+		case cur == nil || cur.Token != p.Token || cur.State != store.StateInProgress || !p.Now.Before(cur.LeaseExpires):
+			return store.ErrLeaseLost
 		case cur.hasLine(line):
 			return nil // already recorded, by an earlier attempt of this request
 		case cur.cpsSize > room:
 			return fmt.Errorf("dynamostore: checkpoint: %w: the record's checkpoints would take %d bytes, over the %d an item keeps",
-				idem.ErrInvalid, cur.cpsSize+int64(len(line)+1), MaxCheckpointBytes)
+				store.ErrInvalid, cur.cpsSize+int64(len(line)+1), MaxCheckpointBytes)
 		}
 		// The item changed between the write and the read; try again.
 	}
-	return fmt.Errorf("dynamostore: checkpoint: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+	return fmt.Errorf("dynamostore: checkpoint: %w: the item kept changing under %d attempts", store.ErrUnavailable, maxAttempts)
 }
 
-// Finish implements [idem.Store]: one conditional UpdateItem. A COMPLETED
+// Finish implements [store.Store]: one conditional UpdateItem. A COMPLETED
 // or FAILED record gets its expiry and the ttl attribute, and leaves the
 // stale-record index (its index attributes are removed). A response body
 // over [MaxBodyBytes] is not stored: the response is stored with
 // BodyOmitted. A response whose status and headers take more than
-// [MaxHeaderBytes] encoded fails with an error wrapping [idem.ErrInvalid]
+// [MaxHeaderBytes] encoded fails with an error wrapping [store.ErrInvalid]
 // before anything is written.
 //
 // A record marked UNKNOWN stays in the index, scored at the earlier of its
@@ -349,7 +349,7 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 // the usual case), two when not (DynamoDB cannot take a minimum in an
 // update, so the first attempt's condition picks the case and a failed one
 // is followed by the other).
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -365,14 +365,14 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		}
 		if len(meta) > MaxHeaderBytes {
 			return fmt.Errorf("dynamostore: finish: %w: the response's status and headers take %d bytes encoded, over the %d an item keeps",
-				idem.ErrInvalid, len(meta), MaxHeaderBytes)
+				store.ErrInvalid, len(meta), MaxHeaderBytes)
 		}
 	}
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("dynamostore: finish: %w", err)
 	}
 	pk := pkOf(p.Scope, p.Key)
-	if p.State == idem.StateUnknown {
+	if p.State == store.StateUnknown {
 		return s.markUnknown(ctx, pk, p)
 	}
 	e := newExpr()
@@ -392,7 +392,7 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		" REMOVE " + e.n(attrShard) + ", " + e.n(attrStaleAt) +
 		" ADD " + e.n(attrVersion) + " " + e.v(":one", avN(1))
 	cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
-		e.n(attrState) + " IN (" + e.v(":ip", avS(string(idem.StateInProgress))) + ", " + e.v(":unk", avS(string(idem.StateUnknown))) + ")"
+		e.n(attrState) + " IN (" + e.v(":ip", avS(string(store.StateInProgress))) + ", " + e.v(":unk", avS(string(store.StateUnknown))) + ")"
 	cur, done, err := s.update(ctx, "finish", pk, e, update, cond)
 	if err != nil || done {
 		return err
@@ -400,7 +400,7 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 	if cur != nil && cur.landed(p, meta, body) {
 		return nil // settled by an earlier attempt of this request, which the SDK retried
 	}
-	return idem.ErrLeaseLost
+	return store.ErrLeaseLost
 }
 
 // landed reports whether the record holds exactly what Finish(p) writes, with
@@ -409,7 +409,7 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 // lost, and the engine sends its own again), so the lease was not lost to
 // anyone else. Only a write marked p.Repeat may count as landed: two writers
 // borrowing one token must not both succeed.
-func (st *stored) landed(p idem.FinishParams, meta, body []byte) bool {
+func (st *stored) landed(p store.FinishParams, meta, body []byte) bool {
 	if !p.Repeat || st.Token != p.Token || st.State != p.State {
 		return false
 	}
@@ -421,14 +421,14 @@ func (st *stored) landed(p idem.FinishParams, meta, body []byte) bool {
 }
 
 // markUnknown is Finish to UNKNOWN; see [Store.Finish].
-func (s *Store) markUnknown(ctx context.Context, pk string, p idem.FinishParams) error {
+func (s *Store) markUnknown(ctx context.Context, pk string, p store.FinishParams) error {
 	lower := true // the first guess: the score is later than now
 	for range maxAttempts {
 		e := newExpr()
 		now := e.v(":now", avN(ms(p.Now)))
-		set := e.n(attrState) + " = " + e.v(":unk", avS(string(idem.StateUnknown))) + ", " + e.n(attrUpdated) + " = " + now
+		set := e.n(attrState) + " = " + e.v(":unk", avS(string(store.StateUnknown))) + ", " + e.n(attrUpdated) + " = " + now
 		cond := e.n(attrToken) + " = " + e.v(":tok", avS(p.Token)) + " AND " +
-			e.n(attrState) + " IN (" + e.v(":ip", avS(string(idem.StateInProgress))) + ", :unk) AND " + e.n(attrStaleAt)
+			e.n(attrState) + " IN (" + e.v(":ip", avS(string(store.StateInProgress))) + ", :unk) AND " + e.n(attrStaleAt)
 		if lower {
 			set += ", " + e.n(attrStaleAt) + " = " + now
 			cond += " > " + now
@@ -440,40 +440,40 @@ func (s *Store) markUnknown(ctx context.Context, pk string, p idem.FinishParams)
 		if err != nil || done {
 			return err
 		}
-		if cur == nil || cur.Token != p.Token || (cur.State != idem.StateInProgress && cur.State != idem.StateUnknown) {
-			return idem.ErrLeaseLost
+		if cur == nil || cur.Token != p.Token || (cur.State != store.StateInProgress && cur.State != store.StateUnknown) {
+			return store.ErrLeaseLost
 		}
 		if cur.staleAt < 0 {
 			return fmt.Errorf("dynamostore: finish: item %q is unsettled but has no %s attribute", pk, attrStaleAt)
 		}
 		lower = cur.staleAt > ms(p.Now)
 	}
-	return fmt.Errorf("dynamostore: finish: %w: the item kept changing under %d attempts", idem.ErrUnavailable, maxAttempts)
+	return fmt.Errorf("dynamostore: finish: %w: the item kept changing under %d attempts", store.ErrUnavailable, maxAttempts)
 }
 
-// Get implements [idem.Store]: one consistent GetItem. A record past its
+// Get implements [store.Store]: one consistent GetItem. A record past its
 // expiry is not found, even while DynamoDB has not yet deleted it.
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("dynamostore: get: %w", err)
+		return store.Record{}, fmt.Errorf("dynamostore: get: %w", err)
 	}
 	pk := pkOf(p.Scope, p.Key)
 	out, err := s.client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &s.table, Key: keyOf(pk), ConsistentRead: aws.Bool(true)})
 	if err != nil {
-		return idem.Record{}, s.translate("get", err)
+		return store.Record{}, s.translate("get", err)
 	}
 	if out.Item == nil {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	st, err := decode(out.Item)
 	if err != nil {
-		return idem.Record{}, fmt.Errorf("dynamostore: get: item %q: %w", pk, err)
+		return store.Record{}, fmt.Errorf("dynamostore: get: item %q: %w", pk, err)
 	}
 	if !st.Live(p.Now) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	return st.Record, nil
 }
@@ -485,7 +485,7 @@ type position struct {
 	last  map[string]types.AttributeValue
 }
 
-// Scan implements [idem.Store]. It queries the stale-record index one shard
+// Scan implements [store.Store]. It queries the stale-record index one shard
 // after the other, each for the entries scored at or before p.Now, in score
 // order; the cursor is the shard and the last entry examined
 // (LastEvaluatedKey), so every stale record that does not change during a
@@ -494,19 +494,19 @@ type position struct {
 // index is eventually consistent: a record written a moment ago may be
 // missing, or seen as it was; the reconciler settles records with
 // conditional writes, so a stale view costs it nothing but a retry.
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
+		return store.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
 	}
 	size := p.PageSize()
-	var res idem.ScanResult
+	var res store.ScanResult
 	for pos.shard < s.shards && len(res.Records) < size {
 		e := newExpr()
 		cond := e.n(attrShard) + " = " + e.v(":shard", avS(strconv.FormatUint(uint64(pos.shard), 10))) + " AND " +
@@ -521,12 +521,12 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 			Limit:                     aws.Int32(int32(min(size-len(res.Records), 1000))),
 		})
 		if err != nil {
-			return idem.ScanResult{}, s.translate("scan", err)
+			return store.ScanResult{}, s.translate("scan", err)
 		}
 		for _, item := range out.Items {
 			st, err := decode(item)
 			if err != nil {
-				return idem.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
+				return store.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
 			}
 			if st.Live(p.Now) && st.Stale(p.Now) {
 				res.Records = append(res.Records, st.Record)
@@ -540,7 +540,7 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 	}
 	if pos.shard < s.shards {
 		if res.Cursor, err = s.encodeCursor(pos); err != nil {
-			return idem.ScanResult{}, err
+			return store.ScanResult{}, err
 		}
 	}
 	return res, nil
@@ -568,7 +568,7 @@ func (s *Store) decodeCursor(c string) (position, error) {
 		return position{}, nil
 	}
 	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("dynamostore: scan: %w: cursor %q %s", idem.ErrInvalid, c, why)
+		return position{}, fmt.Errorf("dynamostore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(c)
 	if err != nil {
@@ -599,11 +599,11 @@ func (s *Store) decodeCursor(c string) (position, error) {
 	return pos, nil
 }
 
-// Prune implements [idem.Store]. DynamoDB deletes settled records itself
+// Prune implements [store.Store]. DynamoDB deletes settled records itself
 // through the table's TTL (the ttl attribute), so Prune only validates p and
 // reports 0. DynamoDB deletes expired items late (typically within a few
 // days); until then every read treats them as absent.
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -622,12 +622,12 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter]: DynamoDB stores every
+// Durability implements [store.DurabilityReporter]: DynamoDB stores every
 // write durably, in several availability zones, before it answers. (A local
 // stand-in such as dynalite is only as durable as its own disk, which the
 // store cannot see.)
-func (s *Store) Durability(context.Context) (idem.Durability, error) {
-	return idem.Durability{CrashSafe: true, Detail: "DynamoDB writes every item to several availability zones before it answers"}, nil
+func (s *Store) Durability(context.Context) (store.Durability, error) {
+	return store.Durability{CrashSafe: true, Detail: "DynamoDB writes every item to several availability zones before it answers"}, nil
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -34,7 +35,7 @@ const (
 
 func acquire(t *testing.T, s *Store, scope, key, tok string, now time.Time, takeover bool) idem.Record {
 	t.Helper()
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: scope, Key: key, Fingerprint: fp("a"), Token: tok,
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: scope, Key: key, Fingerprint: fp("a"), Token: tok,
 		Now: now, LeaseExpires: now.Add(30 * time.Second), TakeoverSafe: takeover})
 	if err != nil {
 		t.Fatalf("Acquire(%q, %q): %v", scope, key, err)
@@ -98,7 +99,7 @@ func TestRoundTrips(t *testing.T) {
 	}
 	acq := func(key, tok string, now time.Time, want func(idem.Record) bool) func() error {
 		return func() error {
-			r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: tok,
+			r, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: tok,
 				Now: now, LeaseExpires: now.Add(30 * time.Second), TakeoverSafe: true})
 			if err == nil && !want(r) {
 				err = fmt.Errorf("unexpected record %+v", r)
@@ -115,10 +116,10 @@ func TestRoundTrips(t *testing.T) {
 	count("acquire of a new key", 1, acq("k", tokA, now, owned(tokA)))
 	count("acquire of a running key (in flight)", 1+extra, acq("k", tokB, now, owned(tokA)))
 	count("renew", 1, func() error {
-		return s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "k", Token: tokA, Now: now, LeaseExpires: now.Add(time.Minute)})
+		return s.Renew(ctx, store.RenewParams{Scope: "s", Key: "k", Token: tokA, Now: now, LeaseExpires: now.Add(time.Minute)})
 	})
 	count("checkpoint", 1, func() error {
-		return s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: tokA, Now: now, Name: "authorize", Data: []byte("x")})
+		return s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: tokA, Now: now, Name: "authorize", Data: []byte("x")})
 	})
 	count("complete", 1, func() error {
 		return s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: tokA, Now: now, State: idem.StateCompleted,
@@ -126,15 +127,15 @@ func TestRoundTrips(t *testing.T) {
 	})
 	count("replay (acquire of a completed key)", 1+extra, acq("k", tokB, now, inState(idem.StateCompleted)))
 	count("get", 1, func() error {
-		_, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: now})
+		_, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: now})
 		return err
 	})
 	count("scan of an empty index (4 shards)", 4, func() error {
-		_, err := s.Scan(ctx, idem.ScanParams{Now: now})
+		_, err := s.Scan(ctx, store.ScanParams{Now: now})
 		return err
 	})
 	count("prune", 0, func() error {
-		_, err := s.Prune(ctx, idem.PruneParams{Now: now})
+		_, err := s.Prune(ctx, store.PruneParams{Now: now})
 		return err
 	})
 
@@ -160,7 +161,7 @@ func TestRoundTrips(t *testing.T) {
 		return s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "v", Token: tokA, Now: now.Add(time.Minute), State: idem.StateUnknown})
 	})
 	count("scan of three stale records (4 shards)", 4, func() error {
-		res, err := s.Scan(ctx, idem.ScanParams{Now: now.Add(time.Minute)})
+		res, err := s.Scan(ctx, store.ScanParams{Now: now.Add(time.Minute)})
 		got := map[string]bool{}
 		for _, r := range res.Records {
 			got[r.Key] = true
@@ -227,7 +228,7 @@ func TestItemLayout(t *testing.T) {
 
 	acquire(t, s, "s", "run", tokA, t0, false)
 	unsettled("run", t0.Add(30*time.Second))
-	if err := s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "run", Token: tokA, Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}); err != nil {
+	if err := s.Renew(ctx, store.RenewParams{Scope: "s", Key: "run", Token: tokA, Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}); err != nil {
 		t.Fatal(err)
 	}
 	unsettled("run", t0.Add(time.Minute))
@@ -272,7 +273,7 @@ func TestItemLayout(t *testing.T) {
 	// Checkpoints: one binary line each, and their size.
 	acquire(t, s, "s", "cp", tokA, t0, true)
 	for i, name := range []string{"authorize", "capture"} {
-		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "cp", Token: tokA, Now: t0.Add(time.Duration(i) * time.Millisecond), Name: name}); err != nil {
+		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "cp", Token: tokA, Now: t0.Add(time.Duration(i) * time.Millisecond), Name: name}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -283,7 +284,7 @@ func TestItemLayout(t *testing.T) {
 	}
 	want := 0
 	for i, name := range []string{"authorize", "capture"} {
-		line := idem.AppendCheckpoint(nil, idem.Checkpoint{Name: name, At: t0.Add(time.Duration(i) * time.Millisecond)})
+		line := store.AppendCheckpoint(nil, idem.Checkpoint{Name: name, At: t0.Add(time.Duration(i) * time.Millisecond)})
 		if b, ok := list.Value[i].(*types.AttributeValueMemberB); !ok || string(b.Value) != string(line) {
 			t.Errorf("checkpoint %d = %v, want %q", i, list.Value[i], line)
 		}
@@ -304,17 +305,17 @@ func TestExpiredItemHidden(t *testing.T) {
 	s := newTestStore(t, nil, 0)
 	acquire(t, s, "s", "done", tokA, t0, false)
 	finish(t, s, "done", tokA, t0, idem.StateCompleted, okResponse("old"))
-	if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "done", Token: tokA, Now: t0, Name: "late"}); !errors.Is(err, idem.ErrLeaseLost) {
+	if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "done", Token: tokA, Now: t0, Name: "late"}); !errors.Is(err, idem.ErrLeaseLost) {
 		t.Fatalf("checkpoint of a completed record: %v", err)
 	}
 	later := t0.Add(time.Hour) // exactly at expiry
-	if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "done", Now: later}); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "done", Now: later}); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("Get of an expired record: %v, want ErrNotFound", err)
 	}
 	if item := rawItem(t, s, "s", "done"); item == nil {
 		t.Fatal("the expired item is gone; the test needs it still there")
 	}
-	if res, err := s.Scan(ctx, idem.ScanParams{Now: later}); err != nil || len(res.Records) != 0 {
+	if res, err := s.Scan(ctx, store.ScanParams{Now: later}); err != nil || len(res.Records) != 0 {
 		t.Fatalf("Scan = %+v, %v", res, err)
 	}
 	r := acquire(t, s, "s", "done", tokB, later, false)
@@ -327,7 +328,7 @@ func TestExpiredItemHidden(t *testing.T) {
 			t.Errorf("the re-created item kept %s", a)
 		}
 	}
-	got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "done", Now: later})
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "done", Now: later})
 	if err != nil || got.Token != tokB || got.Fence != 1 {
 		t.Fatalf("Get = %+v, %v", got, err)
 	}
@@ -374,14 +375,14 @@ func TestUnavailable(t *testing.T) {
 	now := t0
 	ops := map[string]func(context.Context, *Store) error{
 		"acquire": func(ctx context.Context, s *Store) error {
-			_, err := s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: now, LeaseExpires: now.Add(time.Second)})
+			_, err := s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: now, LeaseExpires: now.Add(time.Second)})
 			return err
 		},
 		"renew": func(ctx context.Context, s *Store) error {
-			return s.Renew(ctx, idem.RenewParams{Key: "k", Token: tokA, Now: now, LeaseExpires: now.Add(time.Second)})
+			return s.Renew(ctx, store.RenewParams{Key: "k", Token: tokA, Now: now, LeaseExpires: now.Add(time.Second)})
 		},
 		"checkpoint": func(ctx context.Context, s *Store) error {
-			return s.Checkpoint(ctx, idem.CheckpointParams{Key: "k", Token: tokA, Now: now, Name: "x"})
+			return s.Checkpoint(ctx, store.CheckpointParams{Key: "k", Token: tokA, Now: now, Name: "x"})
 		},
 		"finish": func(ctx context.Context, s *Store) error {
 			return s.Finish(ctx, idem.FinishParams{Key: "k", Token: tokA, Now: now, State: idem.StateCompleted, Response: okResponse("x"), Expires: now.Add(time.Hour)})
@@ -390,11 +391,11 @@ func TestUnavailable(t *testing.T) {
 			return s.Finish(ctx, idem.FinishParams{Key: "k", Token: tokA, Now: now, State: idem.StateUnknown})
 		},
 		"get": func(ctx context.Context, s *Store) error {
-			_, err := s.Get(ctx, idem.GetParams{Key: "k", Now: now})
+			_, err := s.Get(ctx, store.GetParams{Key: "k", Now: now})
 			return err
 		},
 		"scan": func(ctx context.Context, s *Store) error {
-			_, err := s.Scan(ctx, idem.ScanParams{Now: now})
+			_, err := s.Scan(ctx, store.ScanParams{Now: now})
 			return err
 		},
 	}
@@ -438,12 +439,12 @@ func TestCanceledContext(t *testing.T) {
 	cancel()
 	before := c.n.Load()
 	errs := map[string]error{}
-	_, errs["acquire"] = s.Acquire(canceled, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
-	errs["renew"] = s.Renew(canceled, idem.RenewParams{Key: "k", Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
-	errs["checkpoint"] = s.Checkpoint(canceled, idem.CheckpointParams{Key: "k", Token: tokA, Now: t0, Name: "x"})
+	_, errs["acquire"] = s.Acquire(canceled, store.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
+	errs["renew"] = s.Renew(canceled, store.RenewParams{Key: "k", Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
+	errs["checkpoint"] = s.Checkpoint(canceled, store.CheckpointParams{Key: "k", Token: tokA, Now: t0, Name: "x"})
 	errs["finish"] = s.Finish(canceled, idem.FinishParams{Key: "k", Token: tokA, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)})
-	_, errs["get"] = s.Get(canceled, idem.GetParams{Key: "k", Now: t0})
-	_, errs["scan"] = s.Scan(canceled, idem.ScanParams{Now: t0})
+	_, errs["get"] = s.Get(canceled, store.GetParams{Key: "k", Now: t0})
+	_, errs["scan"] = s.Scan(canceled, store.ScanParams{Now: t0})
 	for op, err := range errs {
 		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%s: err = %v, want context.Canceled", op, err)
@@ -461,7 +462,7 @@ func TestCanceledContext(t *testing.T) {
 	}
 	inFlight, cancel := context.WithCancel(ctx)
 	time.AfterFunc(50*time.Millisecond, cancel)
-	if _, err := hs.Get(inFlight, idem.GetParams{Key: "k", Now: t0}); !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
+	if _, err := hs.Get(inFlight, store.GetParams{Key: "k", Now: t0}); !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
 		t.Errorf("get cancelled in flight: err = %v, want context.Canceled", err)
 	}
 }
@@ -473,16 +474,16 @@ func TestMissingTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = s.Get(ctx, idem.GetParams{Key: "k", Now: t0})
+	_, err = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
 	if !errors.Is(err, ErrTableNotFound) || errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "idem_test_no_such_table") {
 		t.Fatalf("Get: err = %v, want ErrTableNotFound naming the table", err)
 	}
 	t.Log(err)
-	_, err = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
+	_, err = s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: fp("a"), Token: tokA, Now: t0, LeaseExpires: t0.Add(time.Second)})
 	if !errors.Is(err, ErrTableNotFound) {
 		t.Fatalf("Acquire: err = %v, want ErrTableNotFound", err)
 	}
-	if _, err := s.Scan(ctx, idem.ScanParams{Now: t0}); !errors.Is(err, ErrTableNotFound) {
+	if _, err := s.Scan(ctx, store.ScanParams{Now: t0}); !errors.Is(err, ErrTableNotFound) {
 		t.Fatalf("Scan: err = %v, want ErrTableNotFound", err)
 	}
 }
@@ -520,19 +521,19 @@ func TestItemSizeLimits(t *testing.T) {
 	t.Parallel()
 	s, c := countingStore(t, 0)
 	scope, key := strings.Repeat("s", idem.MaxScopeLen), strings.Repeat("k", idem.MaxKeyLen)
-	fprint, tok := idem.Fingerprint(strings.Repeat("f", idem.MaxFingerprintLen)), strings.Repeat("t", idem.MaxTokenLen)
+	fprint, tok := idem.Fingerprint(strings.Repeat("f", store.MaxFingerprintLen)), strings.Repeat("t", store.MaxTokenLen)
 	now := t0
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: scope, Key: key, Fingerprint: fprint, Token: tok, Now: now, LeaseExpires: now.Add(time.Minute)})
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: scope, Key: key, Fingerprint: fprint, Token: tok, Now: now, LeaseExpires: now.Add(time.Minute)})
 	if err != nil || r.Token != tok {
 		t.Fatalf("Acquire = %+v, %v", r, err)
 	}
 
 	// Checkpoints of the largest kind until there is no room left.
-	data := []byte(strings.Repeat("\x00", idem.MaxCheckpointData)) // escaped in JSON: the longest line
+	data := []byte(strings.Repeat("\x00", store.MaxCheckpointData)) // escaped in JSON: the longest line
 	var stored int
 	for i := 0; ; i++ {
-		p := idem.CheckpointParams{Scope: scope, Key: key, Token: tok, Now: now.Add(time.Duration(i) * time.Millisecond),
-			Name: strings.Repeat("n", idem.MaxCheckpointName), Data: data}
+		p := store.CheckpointParams{Scope: scope, Key: key, Token: tok, Now: now.Add(time.Duration(i) * time.Millisecond),
+			Name: strings.Repeat("n", store.MaxCheckpointName), Data: data}
 		err := s.Checkpoint(ctx, p)
 		if errors.Is(err, idem.ErrInvalid) {
 			t.Logf("checkpoint %d: %v", i, err)
@@ -546,7 +547,7 @@ func TestItemSizeLimits(t *testing.T) {
 			t.Fatal("checkpoints never ran out of room")
 		}
 	}
-	if got, err := s.Get(ctx, idem.GetParams{Scope: scope, Key: key, Now: now}); err != nil || len(got.Checkpoints) != stored {
+	if got, err := s.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: now}); err != nil || len(got.Checkpoints) != stored {
 		t.Fatalf("Get: %d checkpoints, %v; want %d", len(got.Checkpoints), err, stored)
 	}
 
@@ -565,7 +566,7 @@ func TestItemSizeLimits(t *testing.T) {
 		}
 		t.Log(err)
 	}
-	if got, err := s.Get(ctx, idem.GetParams{Scope: scope, Key: key, Now: now}); err != nil || got.State != idem.StateInProgress {
+	if got, err := s.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: now}); err != nil || got.State != idem.StateInProgress {
 		t.Fatalf("after the refused Finish: %+v, %v; want the record still running", got.State, err)
 	}
 
@@ -593,7 +594,7 @@ func TestItemSizeLimits(t *testing.T) {
 	if fixed > fixedBytes {
 		t.Fatalf("the fixed attributes take %d bytes, over the %d budgeted", fixed, fixedBytes)
 	}
-	got, err := s.Get(ctx, idem.GetParams{Scope: scope, Key: key, Now: now})
+	got, err := s.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: now})
 	if err != nil || got.Response == nil || len(got.Response.Body) != MaxBodyBytes || got.Response.BodyOmitted {
 		t.Fatalf("Get of the largest item: %v", err)
 	}
@@ -604,7 +605,7 @@ func TestItemSizeLimits(t *testing.T) {
 	if item := rawItem(t, s, "s", "huge"); item[attrBody] != nil {
 		t.Fatal("a body over the limit was stored")
 	}
-	if got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "huge", Now: now}); err != nil || !got.Response.BodyOmitted || got.Response.Body != nil {
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "huge", Now: now}); err != nil || !got.Response.BodyOmitted || got.Response.Body != nil {
 		t.Fatalf("Get = %+v, %v; want the body omitted", got.Response, err)
 	}
 }
@@ -616,20 +617,20 @@ func TestRetriedWritesLand(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, nil, 0)
 	acquire(t, s, "s", "k", tokA, t0, false)
-	cp := idem.CheckpointParams{Scope: "s", Key: "k", Token: tokA, Now: t0, Name: "authorize", Data: []byte("x")}
+	cp := store.CheckpointParams{Scope: "s", Key: "k", Token: tokA, Now: t0, Name: "authorize", Data: []byte("x")}
 	for range 2 {
 		if err := s.Checkpoint(ctx, cp); err != nil {
 			t.Fatalf("Checkpoint: %v", err)
 		}
 	}
-	if r, _ := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); len(r.Checkpoints) != 1 {
+	if r, _ := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); len(r.Checkpoints) != 1 {
 		t.Fatalf("%d checkpoints after the same one twice, want 1", len(r.Checkpoints))
 	}
 	cp.Now = t0.Add(time.Millisecond) // the same step again, later: a new checkpoint
 	if err := s.Checkpoint(ctx, cp); err != nil {
 		t.Fatal(err)
 	}
-	if r, _ := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); len(r.Checkpoints) != 2 {
+	if r, _ := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); len(r.Checkpoints) != 2 {
 		t.Fatalf("%d checkpoints, want 2", len(r.Checkpoints))
 	}
 	p := idem.FinishParams{Scope: "s", Key: "k", Token: tokA, Now: t0, State: idem.StateCompleted, Response: okResponse("done"), Expires: t0.Add(time.Hour), Repeat: true}
@@ -718,7 +719,7 @@ func TestCursor(t *testing.T) {
 	}
 	enc := func(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
 	for _, bad := range []string{"%%%", enc("2:1"), enc("1:4"), enc("1:x"), enc("1:1:x:1:a:b"), enc("1:1:5:nope"), enc("1:1:5")} {
-		if _, err := s.Scan(ctx, idem.ScanParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
+		if _, err := s.Scan(ctx, store.ScanParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
 			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", bad, err)
 		}
 	}

@@ -8,7 +8,7 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // ErrTableNotFound: the store's table does not exist (or not in the region
@@ -44,9 +44,9 @@ var unavailableCodes = map[string]bool{
 
 // translate turns an SDK error into the vocabulary of package idem at the
 // store's edge. A failure to reach DynamoDB or to get its answer, and a
-// DynamoDB that throttles or fails (5xx), wraps [idem.ErrUnavailable]; a
+// DynamoDB that throttles or fails (5xx), wraps [store.ErrUnavailable]; a
 // missing table wraps [ErrTableNotFound]; an item over DynamoDB's size limit
-// wraps [idem.ErrInvalid]. The SDK's error stays in the chain, for logs and
+// wraps [store.ErrInvalid]. The SDK's error stays in the chain, for logs and
 // for errors.Is with context.Canceled and context.DeadlineExceeded.
 func (s *Store) translate(op string, err error) error {
 	return translate(s.table, op, err)
@@ -62,10 +62,10 @@ func translate(table, op string, err error) error {
 	case errors.As(err, &notFound):
 		return fmt.Errorf("%w: %q (%s; create it with dynamostore.CreateTable): %w", ErrTableNotFound, table, op, err)
 	case unavailable(err):
-		return fmt.Errorf("dynamostore: %s: %w: %w", op, idem.ErrUnavailable, err)
+		return fmt.Errorf("dynamostore: %s: %w: %w", op, store.ErrUnavailable, err)
 	case errors.As(err, &api) && api.ErrorCode() == "ValidationException" &&
 		strings.Contains(strings.ToLower(api.ErrorMessage()), "item size"):
-		return fmt.Errorf("dynamostore: %s: %w: the item would be over DynamoDB's 400 KB limit: %w", op, idem.ErrInvalid, err)
+		return fmt.Errorf("dynamostore: %s: %w: the item would be over DynamoDB's 400 KB limit: %w", op, store.ErrInvalid, err)
 	}
 	return fmt.Errorf("dynamostore: %s: %w", op, err)
 }

@@ -9,7 +9,7 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // The attributes of an item; see the package documentation.
@@ -44,14 +44,14 @@ const (
 	// a larger one is stored as omitted.
 	MaxBodyBytes = 350 << 10
 	// MaxHeaderBytes is the most a response without its body may take once
-	// encoded (status and headers, by [idem.Response.MarshalBinary]). A
-	// Finish with more fails with an error wrapping [idem.ErrInvalid],
+	// encoded (status and headers, by [store.Response.MarshalBinary]). A
+	// Finish with more fails with an error wrapping [store.ErrInvalid],
 	// before anything is written.
 	MaxHeaderBytes = 16 << 10
 	// MaxCheckpointBytes is the most a record's checkpoints may take, counted
-	// as the sum of their encoded lines ([idem.AppendCheckpoint]) plus one
+	// as the sum of their encoded lines ([store.AppendCheckpoint]) plus one
 	// byte each. A Checkpoint that would pass it fails with an error
-	// wrapping [idem.ErrInvalid], and nothing is written.
+	// wrapping [store.ErrInvalid], and nothing is written.
 	MaxCheckpointBytes = 32 << 10
 	// fixedBytes bounds every other attribute of an item, names included:
 	// pk (at most 515 bytes), fp (255), token (64), state and ten numbers.
@@ -109,8 +109,8 @@ func avBool(b bool) types.AttributeValue {
 // due for the reconciler. An IN_PROGRESS record is due when its lease ends;
 // an UNKNOWN one at once, so its score is never later than when it became
 // UNKNOWN.
-func staleAt(r *idem.Record) time.Time {
-	if r.State == idem.StateUnknown && r.Updated.Before(r.LeaseExpires) {
+func staleAt(r *store.Record) time.Time {
+	if r.State == store.StateUnknown && r.Updated.Before(r.LeaseExpires) {
 		return r.Updated
 	}
 	return r.LeaseExpires
@@ -120,7 +120,7 @@ func staleAt(r *idem.Record) time.Time {
 // without its body, by MarshalBinary) and the body attribute (nil when the
 // body is empty), so that the body is stored as raw bytes rather than the
 // base64 of MarshalBinary's JSON.
-func encodeResponse(r *idem.Response) (meta, body []byte, err error) {
+func encodeResponse(r *store.Response) (meta, body []byte, err error) {
 	head := *r
 	head.Body = nil
 	meta, err = head.MarshalBinary()
@@ -131,7 +131,7 @@ func encodeResponse(r *idem.Response) (meta, body []byte, err error) {
 }
 
 // encode makes the whole item of a record at version ver, for a PutItem.
-func (s *Store) encode(r *idem.Record, ver int64) (map[string]types.AttributeValue, error) {
+func (s *Store) encode(r *store.Record, ver int64) (map[string]types.AttributeValue, error) {
 	pk := pkOf(r.Scope, r.Key)
 	item := map[string]types.AttributeValue{
 		attrPK:       avS(pk),
@@ -166,7 +166,7 @@ func (s *Store) encode(r *idem.Record, ver int64) (map[string]types.AttributeVal
 		list := make([]types.AttributeValue, len(r.Checkpoints))
 		n := 0
 		for i, c := range r.Checkpoints {
-			line := idem.AppendCheckpoint(nil, c)
+			line := store.AppendCheckpoint(nil, c)
 			list[i] = avB(line)
 			n += len(line) + 1
 		}
@@ -177,9 +177,9 @@ func (s *Store) encode(r *idem.Record, ver int64) (map[string]types.AttributeVal
 }
 
 // stored is a record as read, with the attributes that are not part of
-// idem.Record.
+// store.Record.
 type stored struct {
-	idem.Record
+	store.Record
 	ver     int64
 	staleAt int64 // gsi_lease; -1 when absent
 	cpsSize int64 // cps_bytes
@@ -240,8 +240,8 @@ func decode(item map[string]types.AttributeValue) (*stored, error) {
 	if r.Scope, r.Key, err = parsePK(pk); err != nil {
 		fail("%v", err)
 	}
-	r.State = idem.State(str(attrState))
-	r.Fingerprint = idem.Fingerprint(str(attrFP))
+	r.State = store.State(str(attrState))
+	r.Fingerprint = store.Fingerprint(str(attrFP))
 	r.Token = str(attrToken)
 	r.Fence = num(attrFence, 0, true)
 	r.LeaseExpires = msTime(num(attrLease, 0, true))
@@ -267,7 +267,7 @@ func decode(item map[string]types.AttributeValue) (*stored, error) {
 		return nil, fmt.Errorf("state %q is not a state", r.State)
 	}
 	if meta, ok := bin(attrResp); ok {
-		r.Response = new(idem.Response)
+		r.Response = new(store.Response)
 		if err := r.Response.UnmarshalBinary(meta); err != nil {
 			return nil, err
 		}
@@ -286,7 +286,7 @@ func decode(item map[string]types.AttributeValue) (*stored, error) {
 			st.cpLines = append(st.cpLines, b.Value)
 			all = append(all, b.Value...)
 		}
-		if r.Checkpoints, err = idem.DecodeCheckpoints(all); err != nil {
+		if r.Checkpoints, err = store.DecodeCheckpoints(all); err != nil {
 			return nil, err
 		}
 	case nil:

@@ -10,7 +10,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // createTimeout bounds how long CreateTable waits for the table to become
@@ -32,13 +32,13 @@ const createTimeout = 5 * time.Minute
 // It waits at most 5 minutes, or until ctx is done if that is sooner.
 func CreateTable(ctx context.Context, client *dynamodb.Client, table string) error {
 	if client == nil {
-		return fmt.Errorf("dynamostore: create table: %w: no client", idem.ErrInvalid)
+		return fmt.Errorf("dynamostore: create table: %w: no client", store.ErrInvalid)
 	}
 	if table == "" {
 		table = DefaultTable
 	}
 	if !tableName.MatchString(table) {
-		return fmt.Errorf("dynamostore: create table: %w: table name %q is not 3 to 255 of a-z, A-Z, 0-9, '_', '-' and '.'", idem.ErrInvalid, table)
+		return fmt.Errorf("dynamostore: create table: %w: table name %q is not 3 to 255 of a-z, A-Z, 0-9, '_', '-' and '.'", store.ErrInvalid, table)
 	}
 	ctx, cancel := context.WithTimeout(ctx, createTimeout)
 	defer cancel()

@@ -48,7 +48,7 @@ func BenchmarkReplay(b *testing.B) {
 func BenchmarkRawAddSet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := storetest.BenchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func BenchmarkRawAddSet(b *testing.B) {
 func BenchmarkRawGet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := storetest.BenchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -10,7 +10,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // hashLen is the length of a record's hash as it appears in its Memcached
@@ -38,24 +38,24 @@ const valueVersion = 1
 // meta is everything of a record but its response body, as JSON. Times are
 // unix milliseconds from the params; Expires is 0 while unsettled.
 type meta struct {
-	V           int        `json:"v"`
-	Scope       string     `json:"scope"`
-	Key         string     `json:"key"`
-	State       idem.State `json:"state"`
-	Fingerprint string     `json:"fp"`
-	Token       string     `json:"token"`
-	Fence       int64      `json:"fence"`
-	Lease       int64      `json:"lease"`
-	TakeoverOK  bool       `json:"ts,omitempty"`
-	Created     int64      `json:"created"`
-	Updated     int64      `json:"updated"`
-	Expires     int64      `json:"exp,omitempty"`
+	V           int         `json:"v"`
+	Scope       string      `json:"scope"`
+	Key         string      `json:"key"`
+	State       store.State `json:"state"`
+	Fingerprint string      `json:"fp"`
+	Token       string      `json:"token"`
+	Fence       int64       `json:"fence"`
+	Lease       int64       `json:"lease"`
+	TakeoverOK  bool        `json:"ts,omitempty"`
+	Created     int64       `json:"created"`
+	Updated     int64       `json:"updated"`
+	Expires     int64       `json:"exp,omitempty"`
 	// Response is the response's MarshalBinary without its body, which
 	// follows the JSON line raw.
 	Response json.RawMessage `json:"resp,omitempty"`
 	// Body is true when the response has a body after the JSON line.
 	Body bool `json:"body,omitempty"`
-	// Checkpoints are the idem.EncodeCheckpoints lines.
+	// Checkpoints are the store.EncodeCheckpoints lines.
 	Checkpoints string `json:"cps,omitempty"`
 }
 
@@ -63,7 +63,7 @@ type meta struct {
 // then the response body as it is. JSON escapes every control character
 // inside strings, so the first newline ends the line; the body is kept raw so
 // that it is not inflated by base64 inside the item's size limit.
-func encode(r *idem.Record) ([]byte, error) {
+func encode(r *store.Record) ([]byte, error) {
 	m := meta{
 		V:           valueVersion,
 		Scope:       r.Scope,
@@ -76,7 +76,7 @@ func encode(r *idem.Record) ([]byte, error) {
 		TakeoverOK:  r.TakeoverSafe,
 		Created:     r.Created.UnixMilli(),
 		Updated:     r.Updated.UnixMilli(),
-		Checkpoints: string(idem.EncodeCheckpoints(r.Checkpoints)),
+		Checkpoints: string(store.EncodeCheckpoints(r.Checkpoints)),
 	}
 	if !r.Expires.IsZero() {
 		m.Expires = r.Expires.UnixMilli()
@@ -109,34 +109,34 @@ var errForeign = errors.New("the item holds another scope and key")
 // decode reads a value written by encode. When scope and key are given
 // (want is true), a value of another scope and key gives errForeign; when
 // they are not, the value's own scope and key must hash to h.
-func decode(v []byte, want bool, scope, key, h string) (idem.Record, error) {
+func decode(v []byte, want bool, scope, key, h string) (store.Record, error) {
 	line, body, ok := bytes.Cut(v, []byte("\n"))
 	if !ok {
-		return idem.Record{}, errors.New("the stored value has no header line")
+		return store.Record{}, errors.New("the stored value has no header line")
 	}
 	var m meta
 	if err := json.Unmarshal(line, &m); err != nil {
-		return idem.Record{}, fmt.Errorf("decoding the stored record: %w", err)
+		return store.Record{}, fmt.Errorf("decoding the stored record: %w", err)
 	}
 	if m.V != valueVersion {
-		return idem.Record{}, fmt.Errorf("the stored record has encoding version %d, this build reads %d", m.V, valueVersion)
+		return store.Record{}, fmt.Errorf("the stored record has encoding version %d, this build reads %d", m.V, valueVersion)
 	}
 	foreign := m.Scope != scope || m.Key != key
 	if !want {
 		foreign = recordHash(m.Scope, m.Key) != h
 	}
 	if foreign {
-		return idem.Record{}, errForeign
+		return store.Record{}, errForeign
 	}
 	if !m.State.Valid() {
-		return idem.Record{}, fmt.Errorf("the stored state %q is not a state", m.State)
+		return store.Record{}, fmt.Errorf("the stored state %q is not a state", m.State)
 	}
 	at := func(ms int64) time.Time { return time.UnixMilli(ms).UTC() }
-	r := idem.Record{
+	r := store.Record{
 		Scope:        m.Scope,
 		Key:          m.Key,
 		State:        m.State,
-		Fingerprint:  idem.Fingerprint(m.Fingerprint),
+		Fingerprint:  store.Fingerprint(m.Fingerprint),
 		Token:        m.Token,
 		Fence:        m.Fence,
 		LeaseExpires: at(m.Lease),
@@ -149,23 +149,23 @@ func decode(v []byte, want bool, scope, key, h string) (idem.Record, error) {
 	}
 	switch {
 	case m.Response != nil:
-		r.Response = new(idem.Response)
+		r.Response = new(store.Response)
 		if err := r.Response.UnmarshalBinary(m.Response); err != nil {
-			return idem.Record{}, err
+			return store.Record{}, err
 		}
 		if m.Body {
 			r.Response.Body = body
 		}
 		if m.Body != (len(body) > 0) {
-			return idem.Record{}, errors.New("the stored response body is missing or unexpected")
+			return store.Record{}, errors.New("the stored response body is missing or unexpected")
 		}
 	case len(body) > 0:
-		return idem.Record{}, errors.New("the stored record has a body but no response")
+		return store.Record{}, errors.New("the stored record has a body but no response")
 	}
 	if m.Checkpoints != "" {
 		var err error
-		if r.Checkpoints, err = idem.DecodeCheckpoints([]byte(m.Checkpoints)); err != nil {
-			return idem.Record{}, err
+		if r.Checkpoints, err = store.DecodeCheckpoints([]byte(m.Checkpoints)); err != nil {
+			return store.Record{}, err
 		}
 	}
 	return r, nil

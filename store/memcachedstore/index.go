@@ -14,7 +14,7 @@ import (
 	"strings"
 
 	"github.com/bradfitz/gomemcache/memcache"
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // The index of a shard is one item, a log of lines appended with
@@ -168,7 +168,7 @@ func (s *Store) indexAppend(ctx context.Context, op string, shard int, line []by
 		it.Value = set.bytes()
 		if !s.fits(key, it.Value) {
 			return fmt.Errorf("memcachedstore: %s: %w: the index of shard %d is full (%d unsettled leases, %d bytes); raise Config.Shards",
-				op, idem.ErrUnavailable, shard, len(set), len(it.Value))
+				op, store.ErrUnavailable, shard, len(set), len(it.Value))
 		}
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("memcachedstore: %s: %w", op, err)
@@ -229,7 +229,7 @@ func (s *Store) decodeCursor(c string) (position, error) {
 		return position{}, nil
 	}
 	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("memcachedstore: scan: %w: cursor %q %s", idem.ErrInvalid, c, why)
+		return position{}, fmt.Errorf("memcachedstore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(c)
 	if err != nil {
@@ -255,27 +255,27 @@ type candidate struct {
 	h     string
 }
 
-// Scan implements [idem.Store]. It reads the indexes of every shard from the
+// Scan implements [store.Store]. It reads the indexes of every shard from the
 // cursor's on in one round trip, then the records they name, in (shard,
 // hash) order, in batches of one round trip each; the cursor is the last
 // record returned, so every stale record that does not change during a scan
 // is returned exactly once. Entries whose record is gone (evicted) or
 // settled, and whose lease has ended at p.Now, are dropped from their index
 // as the scan passes them, with one compare-and-swap per index changed.
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.ScanResult{}, fmt.Errorf("memcachedstore: scan: %w", err)
+		return store.ScanResult{}, fmt.Errorf("memcachedstore: scan: %w", err)
 	}
 	items, err := s.client.GetMulti(s.indexKeys[pos.shard:])
 	if err != nil {
-		return idem.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate("scan", err)
 	}
 	sets := make(map[int]indexSet)
 	var cands []candidate
@@ -286,7 +286,7 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 		}
 		set, err := parseIndex(it.Value)
 		if err != nil {
-			return idem.ScanResult{}, fmt.Errorf("memcachedstore: scan: index %s: %w", it.Key, err)
+			return store.ScanResult{}, fmt.Errorf("memcachedstore: scan: index %s: %w", it.Key, err)
 		}
 		sets[shard] = set
 		for _, h := range set.hashes() {
@@ -298,7 +298,7 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 	}
 
 	size, now := p.PageSize(), p.Now.UnixMilli()
-	var res idem.ScanResult
+	var res store.ScanResult
 	drop := make(map[int][]string) // shard → hashes whose ended entries may go
 	last := pos.shard
 	i := 0
@@ -309,23 +309,23 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 			keys[j] = s.recordKey(c.h)
 		}
 		if err := ctx.Err(); err != nil {
-			return idem.ScanResult{}, fmt.Errorf("memcachedstore: scan: %w", err)
+			return store.ScanResult{}, fmt.Errorf("memcachedstore: scan: %w", err)
 		}
 		recs, err := s.client.GetMulti(keys)
 		if err != nil {
-			return idem.ScanResult{}, translate("scan", err)
+			return store.ScanResult{}, translate("scan", err)
 		}
 		for j, c := range batch {
 			i++
 			last = c.shard
-			var r idem.Record
+			var r store.Record
 			if it := recs[keys[j]]; it != nil {
 				r, err = decode(it.Value, false, "", "", c.h)
 				if err != nil && !errors.Is(err, errForeign) {
-					return idem.ScanResult{}, fmt.Errorf("memcachedstore: scan: record %s: %w", keys[j], err)
+					return store.ScanResult{}, fmt.Errorf("memcachedstore: scan: record %s: %w", keys[j], err)
 				}
 			}
-			if r.State != idem.StateInProgress && r.State != idem.StateUnknown {
+			if r.State != store.StateInProgress && r.State != store.StateUnknown {
 				// Gone, settled, or not this record: nothing to reconcile.
 				drop[c.shard] = append(drop[c.shard], c.h)
 				continue

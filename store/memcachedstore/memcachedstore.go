@@ -1,4 +1,4 @@
-// Package memcachedstore is an [idem.Store] on Memcached, through
+// Package memcachedstore is an [store.Store] on Memcached, through
 // github.com/bradfitz/gomemcache.
 //
 // # What Memcached cannot promise
@@ -27,7 +27,7 @@
 // Size it so that it never evicts (watch the evictions counter of "stats"),
 // or run it with -M, which makes it answer a write it has no room for with
 // an error instead of evicting: the store then fails closed with
-// [idem.ErrUnavailable] rather than forget a record. Or use a store that
+// [store.ErrUnavailable] rather than forget a record. Or use a store that
 // persists (SQLite, PostgreSQL, Redis with appendonly). This store is for teams who already run Memcached and who
 // accept a rare duplicate after an eviction or a restart in exchange for
 // its latency; not for payments whose duplicates cost money.
@@ -43,10 +43,10 @@
 //	<prefix>:i:<shard>   the index of a shard: its unsettled records
 //
 // The value of a record is one line of JSON holding every field of
-// [idem.Record] but the response body (times as unix milliseconds from the
+// [store.Record] but the response body (times as unix milliseconds from the
 // params, truncated to the millisecond and read back in UTC; the response
-// as [idem.Response.MarshalBinary] without its body; the checkpoints as
-// [idem.EncodeCheckpoints] lines), then the body, raw, so that base64 does
+// as [store.Response.MarshalBinary] without its body; the checkpoints as
+// [store.EncodeCheckpoints] lines), then the body, raw, so that base64 does
 // not eat a quarter of the item size limit. The value carries the scope and
 // key as sent, and every read compares them: a value of another scope and
 // key (a hash collision) is never returned as a record. Get, Renew,
@@ -73,7 +73,7 @@
 // anyway); a writer whose append finds the index
 // at the server's item size limit rewrites it folded too. An index holds
 // about 17,000 unsettled leases per MiB of item size; past that, acquires in
-// its shard fail with [idem.ErrUnavailable] until records are settled.
+// its shard fail with [store.ErrUnavailable] until records are settled.
 //
 // # Round trips
 //
@@ -105,7 +105,7 @@
 // fold (1/64 of a round trip per append on average). A compare-and-swap that
 // loses to a concurrent write costs its gets and cas again. Each loss is another writer's success, so a write loses at
 // most once per other writer of the same record; it gives up with
-// [idem.ErrUnavailable] after 100 losses.
+// [store.ErrUnavailable] after 100 losses.
 //
 // Acquire reads first rather than adding first. The index entry must be
 // appended before the record is written, so adding first would append an
@@ -136,21 +136,21 @@
 // # Body size
 //
 // A Memcached item holds at most 1 MiB by default (memcached -I), key and
-// item header included. The store implements [idem.BodyLimiter]:
+// item header included. The store implements [store.BodyLimiter]:
 // [Store.MaxBody] is [Config.MaxItem] less [BodyReserve] (64 KiB for the
 // record's other fields, headers and checkpoints), and Finish stores an
 // outcome whose body is larger with the body omitted
 // (Response.BodyOmitted), never failing for it. A record that is still too
 // large (headers or checkpoints of more than the reserve) fails with an
-// error wrapping [idem.ErrInvalid] before anything is written.
+// error wrapping [store.ErrInvalid] before anything is written.
 //
 // # Errors and contexts
 //
 // Errors are translated at the store's edge: a token that no longer owns the
-// record gives [idem.ErrLeaseLost], a missing or expired record
-// [idem.ErrNotFound], and a failure to reach Memcached or to get its answer
+// record gives [store.ErrLeaseLost], a missing or expired record
+// [store.ErrNotFound], and a failure to reach Memcached or to get its answer
 // (refused or broken connections, timeouts, no servers, a SERVER_ERROR
-// reply) wraps [idem.ErrUnavailable]. gomemcache takes no context: the
+// reply) wraps [store.ErrUnavailable]. gomemcache takes no context: the
 // store checks ctx before every call, so a cancelled or expired context
 // stops an operation between two round trips (and errors.Is finds the
 // context's error), but a call in flight runs until the client's Timeout
@@ -197,12 +197,12 @@ import (
 	"time"
 
 	"github.com/bradfitz/gomemcache/memcache"
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 var (
-	_ idem.Store       = (*Store)(nil)
-	_ idem.BodyLimiter = (*Store)(nil)
+	_ store.Store       = (*Store)(nil)
+	_ store.BodyLimiter = (*Store)(nil)
 )
 
 // Defaults and limits for [Config].
@@ -263,7 +263,7 @@ type Config struct {
 	MaxItem int
 }
 
-// Store is an [idem.Store] on Memcached. It is safe for concurrent use, and
+// Store is an [store.Store] on Memcached. It is safe for concurrent use, and
 // any number of processes may share one Memcached through stores with the
 // same Prefix and Shards. Make one with [New].
 type Store struct {
@@ -274,11 +274,11 @@ type Store struct {
 	maxItem   int
 }
 
-// New returns a store for cfg. The error wraps [idem.ErrInvalid] when cfg is
+// New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
 // not valid. New does not contact Memcached.
 func New(cfg Config) (*Store, error) {
 	bad := func(format string, args ...any) (*Store, error) {
-		return nil, fmt.Errorf("memcachedstore: %w: %s", idem.ErrInvalid, fmt.Sprintf(format, args...))
+		return nil, fmt.Errorf("memcachedstore: %w: %s", store.ErrInvalid, fmt.Sprintf(format, args...))
 	}
 	if cfg.Client == nil {
 		return bad("config has no client")
@@ -317,7 +317,7 @@ func orDefault(v, def int) int {
 	return v
 }
 
-// MaxBody implements [idem.BodyLimiter]: [Config.MaxItem] less
+// MaxBody implements [store.BodyLimiter]: [Config.MaxItem] less
 // [BodyReserve]. Finish stores a response with a larger body with the body
 // omitted.
 func (s *Store) MaxBody() int { return s.maxItem - BodyReserve }
@@ -333,7 +333,7 @@ func (s *Store) fits(key string, value []byte) bool {
 
 func (s *Store) tooLarge(op, key string, value []byte) error {
 	return fmt.Errorf("memcachedstore: %s: %w: the record would take %d bytes, over the item size limit of %d (Config.MaxItem); its headers or checkpoints are too large",
-		op, idem.ErrInvalid, len(value)+len(key)+itemOverhead, s.maxItem)
+		op, store.ErrInvalid, len(value)+len(key)+itemOverhead, s.maxItem)
 }
 
 // maxRelative is the largest expiration Memcached reads as relative to now;
@@ -361,38 +361,38 @@ func retryable(err error) bool {
 }
 
 func contended(op string) error {
-	return fmt.Errorf("memcachedstore: %s: %w: lost %d compare-and-swaps in a row to concurrent writes", op, idem.ErrUnavailable, maxAttempts)
+	return fmt.Errorf("memcachedstore: %s: %w: lost %d compare-and-swaps in a row to concurrent writes", op, store.ErrUnavailable, maxAttempts)
 }
 
-// Acquire implements [idem.Store]. It reads the record (gets) and applies
-// [idem.AcquireParams.Apply]; a write that begins a lease first appends its
+// Acquire implements [store.Store]. It reads the record (gets) and applies
+// [store.AcquireParams.Apply]; a write that begins a lease first appends its
 // entry to the shard's index, then adds the record (new key) or swaps it in
 // (compare-and-swap on the read's CAS id), and reads again when another
 // write got there first. 1 round trip for a replay, 3 for a new key; see the
 // package documentation.
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	h := recordHash(p.Scope, p.Key)
 	key, shard := s.recordKey(h), s.shard(h)
 	for range maxAttempts {
 		if err := ctx.Err(); err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
+			return store.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
 		}
 		it, err := s.client.Get(key)
-		var existing *idem.Record
+		var existing *store.Record
 		switch {
 		case errors.Is(err, memcache.ErrCacheMiss):
 			it = nil
 		case err != nil:
-			return idem.Record{}, translate("acquire", err)
+			return store.Record{}, translate("acquire", err)
 		default:
 			r, err := decode(it.Value, true, p.Scope, p.Key, h)
 			if err != nil {
 				// A foreign record (a hash collision) is not overwritten:
 				// fail closed, as for a corrupt one.
-				return idem.Record{}, fmt.Errorf("memcachedstore: acquire: item %s: %w", key, err)
+				return store.Record{}, fmt.Errorf("memcachedstore: acquire: item %s: %w", key, err)
 			}
 			existing = &r
 		}
@@ -402,19 +402,19 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 		}
 		value, err := encode(&next)
 		if err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
+			return store.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
 		}
 		if !s.fits(key, value) {
-			return idem.Record{}, s.tooLarge("acquire", key, value)
+			return store.Record{}, s.tooLarge("acquire", key, value)
 		}
 		entry := addLine(h, next.Fence, next.LeaseExpires.UnixMilli())
-		if next.State == idem.StateInProgress { // a lease begins: index it first
+		if next.State == store.StateInProgress { // a lease begins: index it first
 			if err := s.indexAppend(ctx, "acquire", shard, entry); err != nil {
-				return idem.Record{}, err
+				return store.Record{}, err
 			}
 		}
 		if err := ctx.Err(); err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
+			return store.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
 		}
 		if it == nil {
 			err = s.client.Add(&memcache.Item{Key: key, Value: value})
@@ -423,7 +423,7 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 			err = s.client.CompareAndSwap(it)
 		}
 		if err == nil {
-			if next.State == idem.StateUnknown {
+			if next.State == store.StateUnknown {
 				// The lease's entry was appended when it began; append it
 				// again in case the index was evicted since. The record is
 				// written either way, so a failure here is not the caller's.
@@ -432,15 +432,15 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 			return decode(value, true, p.Scope, p.Key, h) // as stored
 		}
 		if !retryable(err) {
-			return idem.Record{}, translate("acquire", err)
+			return store.Record{}, translate("acquire", err)
 		}
 	}
-	return idem.Record{}, contended("acquire")
+	return store.Record{}, contended("acquire")
 }
 
-// Renew implements [idem.Store]: gets, [idem.RenewParams.Apply], cas; 2
+// Renew implements [store.Store]: gets, [store.RenewParams.Apply], cas; 2
 // round trips.
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -448,9 +448,9 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 	return err
 }
 
-// Checkpoint implements [idem.Store]: gets, [idem.CheckpointParams.Apply],
+// Checkpoint implements [store.Store]: gets, [store.CheckpointParams.Apply],
 // cas; 2 round trips.
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -458,12 +458,12 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 	return err
 }
 
-// Finish implements [idem.Store]: gets, [idem.FinishParams.Apply], cas, and
+// Finish implements [store.Store]: gets, [store.FinishParams.Apply], cas, and
 // for COMPLETED and FAILED the removal of the lease's index entry; 3 round
 // trips (2 for UNKNOWN). A settled record gets a Memcached expiration at its
 // Expires (see the package documentation). A response body over
 // [Store.MaxBody] is stored omitted.
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -489,87 +489,87 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 // it in, reading again when another write got there first. It returns the
 // record as written. A missing record, or a foreign one, is passed to apply
 // as nil.
-func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time, apply func(*idem.Record) error) (idem.Record, error) {
+func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time, apply func(*store.Record) error) (store.Record, error) {
 	h := recordHash(scope, key)
 	mkey := s.recordKey(h)
 	for range maxAttempts {
 		if err := ctx.Err(); err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
 		}
 		it, err := s.client.Get(mkey)
 		if errors.Is(err, memcache.ErrCacheMiss) {
-			return idem.Record{}, apply(nil)
+			return store.Record{}, apply(nil)
 		}
 		if err != nil {
-			return idem.Record{}, translate(op, err)
+			return store.Record{}, translate(op, err)
 		}
 		r, err := decode(it.Value, true, scope, key, h)
 		if errors.Is(err, errForeign) {
-			return idem.Record{}, apply(nil)
+			return store.Record{}, apply(nil)
 		}
 		if err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: %s: item %s: %w", op, mkey, err)
+			return store.Record{}, fmt.Errorf("memcachedstore: %s: item %s: %w", op, mkey, err)
 		}
 		if err := apply(&r); err != nil {
-			return idem.Record{}, err
+			return store.Record{}, err
 		}
 		value, err := encode(&r)
 		if err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
 		}
 		if !s.fits(mkey, value) {
-			return idem.Record{}, s.tooLarge(op, mkey, value)
+			return store.Record{}, s.tooLarge(op, mkey, value)
 		}
 		it.Value, it.Expiration = value, 0
 		if r.State.Terminal() {
 			it.Expiration = expiration(now, r.Expires)
 		}
 		if err := ctx.Err(); err != nil {
-			return idem.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
 		}
 		err = s.client.CompareAndSwap(it)
 		if err == nil {
 			return r, nil
 		}
 		if !retryable(err) {
-			return idem.Record{}, translate(op, err)
+			return store.Record{}, translate(op, err)
 		}
 	}
-	return idem.Record{}, contended(op)
+	return store.Record{}, contended(op)
 }
 
-// Get implements [idem.Store]: one round trip (gets).
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+// Get implements [store.Store]: one round trip (gets).
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("memcachedstore: get: %w", err)
+		return store.Record{}, fmt.Errorf("memcachedstore: get: %w", err)
 	}
 	h := recordHash(p.Scope, p.Key)
 	it, err := s.client.Get(s.recordKey(h))
 	if errors.Is(err, memcache.ErrCacheMiss) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	if err != nil {
-		return idem.Record{}, translate("get", err)
+		return store.Record{}, translate("get", err)
 	}
 	r, err := decode(it.Value, true, p.Scope, p.Key, h)
 	if errors.Is(err, errForeign) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	if err != nil {
-		return idem.Record{}, fmt.Errorf("memcachedstore: get: item %s: %w", it.Key, err)
+		return store.Record{}, fmt.Errorf("memcachedstore: get: item %s: %w", it.Key, err)
 	}
 	if !r.Live(p.Now) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	return r, nil
 }
 
-// Prune implements [idem.Store]. Memcached drops settled records itself when
+// Prune implements [store.Store]. Memcached drops settled records itself when
 // their expiration passes, so Prune only validates p and reports 0.
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -577,28 +577,28 @@ func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
 }
 
 // translate turns a client error into the vocabulary of package idem: an
-// item the server refused as too large wraps [idem.ErrInvalid] (Config.MaxItem
+// item the server refused as too large wraps [store.ErrInvalid] (Config.MaxItem
 // is above the server's limit); a malformed key or a CLIENT_ERROR reply (a
 // bug) is wrapped as it is; anything else is a failure to reach Memcached or
 // to get its answer (network errors, timeouts, no servers, SERVER_ERROR) and
-// wraps [idem.ErrUnavailable].
+// wraps [store.ErrUnavailable].
 func translate(op string, err error) error {
 	msg := err.Error()
 	switch {
 	case errors.Is(err, context.Canceled):
 		return fmt.Errorf("memcachedstore: %s: %w", op, err)
 	case strings.Contains(msg, "SERVER_ERROR object too large"):
-		return fmt.Errorf("memcachedstore: %s: %w: the server's item size limit is below Config.MaxItem: %w", op, idem.ErrInvalid, err)
+		return fmt.Errorf("memcachedstore: %s: %w: the server's item size limit is below Config.MaxItem: %w", op, store.ErrInvalid, err)
 	case errors.Is(err, memcache.ErrMalformedKey), strings.Contains(msg, "CLIENT_ERROR"):
 		return fmt.Errorf("memcachedstore: %s: %w", op, err)
 	}
-	return fmt.Errorf("memcachedstore: %s: %w: %w", op, idem.ErrUnavailable, err)
+	return fmt.Errorf("memcachedstore: %s: %w: %w", op, store.ErrUnavailable, err)
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter]: Memcached keeps records in
+// Durability implements [store.DurabilityReporter]: Memcached keeps records in
 // memory only.
-func (s *Store) Durability(context.Context) (idem.Durability, error) {
-	return idem.Durability{Detail: "memcached keeps records in memory only: a restart, or an eviction, loses them"}, nil
+func (s *Store) Durability(context.Context) (store.Durability, error) {
+	return store.Durability{Detail: "memcached keeps records in memory only: a restart, or an eviction, loses them"}, nil
 }

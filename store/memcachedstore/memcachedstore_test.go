@@ -21,6 +21,7 @@ import (
 	"github.com/bradfitz/gomemcache/memcache"
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -59,7 +60,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(s.indexKeys) != DefaultShards || s.indexKeys[5] != "idem:i:5" || s.MaxBody() != DefaultMaxItem-BodyReserve ||
-		idem.MaxBody(s) != 1<<20-64<<10 {
+		store.MaxBody(s) != 1<<20-64<<10 {
 		t.Fatalf("defaults: %d shards, index key %q, max body %d", len(s.indexKeys), s.indexKeys[5], s.MaxBody())
 	}
 	if _, err := New(Config{Client: client, Prefix: strings.Repeat("p", MaxPrefixLen), Shards: MaxShards, MaxItem: MinMaxItem}); err != nil {
@@ -131,11 +132,11 @@ func TestLongNamesOnTheServer(t *testing.T) {
 	s := newTestStore(t, testClient(t), Config{Prefix: randomPrefix(t) + strings.Repeat("p", MaxPrefixLen-25)})
 	scope, key := strings.Repeat("a b", 85), strings.Repeat("c d", 85)
 	r := storetest.Acquire(t, s, scope, key, t0, time.Minute)
-	got, err := s.Get(context.Background(), idem.GetParams{Scope: scope, Key: key, Now: t0})
+	got, err := s.Get(context.Background(), store.GetParams{Scope: scope, Key: key, Now: t0})
 	if err != nil || !reflect.DeepEqual(got, r) {
 		t.Fatalf("Get = %+v, %v; want %+v", got, err, r)
 	}
-	res, err := s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute)})
+	res, err := s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute)})
 	if err != nil || len(res.Records) != 1 || res.Records[0].Scope != scope || res.Records[0].Key != key {
 		t.Fatalf("Scan = %+v, %v", res, err)
 	}
@@ -315,7 +316,7 @@ func TestServerExpiresSettledRecord(t *testing.T) {
 	if waited := time.Since(start); waited < time.Second {
 		t.Errorf("the record was gone after %v, before its retention of 1 s", waited)
 	}
-	if _, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "brief", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "brief", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("Get after the server dropped it: %v", err)
 	}
 }
@@ -341,12 +342,12 @@ func TestForeignRecordNeverReturned(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if _, err := s.Get(ctx, idem.GetParams{Scope: "tenant-b", Key: "k2", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(ctx, store.GetParams{Scope: "tenant-b", Key: "k2", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
 		t.Errorf("Get under the colliding name: %v, want ErrNotFound", err)
 	}
 	errs := map[string]error{
-		"Renew": s.Renew(ctx, idem.RenewParams{Scope: "tenant-b", Key: "k2", Token: a.Token, Now: t0, LeaseExpires: t0.Add(time.Hour)}),
-		"Checkpoint": s.Checkpoint(ctx, idem.CheckpointParams{Scope: "tenant-b", Key: "k2", Token: a.Token, Now: t0,
+		"Renew": s.Renew(ctx, store.RenewParams{Scope: "tenant-b", Key: "k2", Token: a.Token, Now: t0, LeaseExpires: t0.Add(time.Hour)}),
+		"Checkpoint": s.Checkpoint(ctx, store.CheckpointParams{Scope: "tenant-b", Key: "k2", Token: a.Token, Now: t0,
 			Name: "x"}),
 		"Finish": s.Finish(ctx, idem.FinishParams{Scope: "tenant-b", Key: "k2", Token: a.Token, Now: t0,
 			State: idem.StateFailed, Expires: t0.Add(time.Hour)}),
@@ -356,7 +357,7 @@ func TestForeignRecordNeverReturned(t *testing.T) {
 			t.Errorf("%s with the other record's token: %v, want ErrLeaseLost", name, err)
 		}
 	}
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "tenant-b", Key: "k2", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: "tenant-b", Key: "k2", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if err == nil || errors.Is(err, idem.ErrUnavailable) || errors.Is(err, idem.ErrInvalid) {
 		t.Errorf("Acquire under the colliding name = %+v, %v; want a plain error", r, err)
@@ -364,7 +365,7 @@ func TestForeignRecordNeverReturned(t *testing.T) {
 	if after, err := client.Get(s.recordKey(hb)); err != nil || !bytes.Equal(after.Value, it.Value) {
 		t.Fatalf("the foreign value was changed: %v", err)
 	}
-	res, err := s.Scan(ctx, idem.ScanParams{Now: t0.Add(time.Minute)})
+	res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Minute)})
 	if err != nil || len(res.Records) != 1 || res.Records[0].Scope != "tenant-a" {
 		t.Fatalf("Scan = %+v, %v; want tenant-a's record once", res, err)
 	}
@@ -391,7 +392,7 @@ func TestRoundTrips(t *testing.T) {
 	tok := strings.Repeat("a", 32)
 	acq := func(key, tok string, now time.Time) func() error {
 		return func() error {
-			_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: storetest.Fingerprint("a"), Token: tok,
+			_, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: key, Fingerprint: storetest.Fingerprint("a"), Token: tok,
 				Now: now, LeaseExpires: now.Add(time.Minute)})
 			return err
 		}
@@ -412,17 +413,17 @@ func TestRoundTrips(t *testing.T) {
 	cost("Acquire of a new key", 3, acq("k", tok, t0))
 	cost("Acquire while it runs", 1, acq("k", strings.Repeat("b", 32), t0))
 	cost("Renew", 2, func() error {
-		return s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(2 * time.Minute)})
+		return s.Renew(ctx, store.RenewParams{Scope: "s", Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(2 * time.Minute)})
 	})
 	for i := range 2 {
 		cost("Checkpoint "+strconv.Itoa(i+1), 2, func() error {
-			return s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: t0, Name: "step", Data: []byte("x")})
+			return s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: t0, Name: "step", Data: []byte("x")})
 		})
 	}
 	cost("Finish as COMPLETED", 3, fin("k", tok, idem.StateCompleted, t0))
 	cost("Acquire that replays", 1, acq("k", strings.Repeat("b", 32), t0))
 	cost("Get", 1, func() error {
-		_, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+		_, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 		return err
 	})
 	cost("Acquire of another new key", 3, acq("f", tok, t0))
@@ -437,14 +438,14 @@ func TestRoundTrips(t *testing.T) {
 		storetest.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: read, not returned
 	}
 	cost("Scan page", 2, func() error {
-		res, err := s.Scan(ctx, idem.ScanParams{Now: t0, Limit: 30})
+		res, err := s.Scan(ctx, store.ScanParams{Now: t0, Limit: 30})
 		if err == nil && (len(res.Records) != 22 || res.Cursor != "") {
 			err = fmt.Errorf("got %d records, cursor %q; want the 22 unknown ones", len(res.Records), res.Cursor)
 		}
 		return err
 	})
 	cost("Prune", 0, func() error {
-		_, err := s.Prune(ctx, idem.PruneParams{Now: t0})
+		_, err := s.Prune(ctx, store.PruneParams{Now: t0})
 		return err
 	})
 }
@@ -486,14 +487,14 @@ func TestIndex(t *testing.T) {
 	}
 	// Before the evicted record's lease ends, its entry may stand for an
 	// acquire that has not written its record yet: it stays.
-	res, err := s.Scan(ctx, idem.ScanParams{Now: t0.Add(time.Second)})
+	res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Second)})
 	if err != nil || keys(res) != "unknown" {
 		t.Fatalf("Scan during the lease = %q, %v; want unknown", keys(res), err)
 	}
 	if !indexed(t, s, "s", "evicted") {
 		t.Fatalf("the evicted record's entry was dropped while its lease ran")
 	}
-	res, err = s.Scan(ctx, idem.ScanParams{Now: t0.Add(lease)})
+	res, err = s.Scan(ctx, store.ScanParams{Now: t0.Add(lease)})
 	if err != nil || len(res.Records) != 2 || res.Cursor != "" {
 		t.Fatalf("Scan after the lease = %q, %v; want unknown and running", keys(res), err)
 	}
@@ -543,12 +544,12 @@ func TestIndexLost(t *testing.T) {
 		t.Fatalf("index after it was lost and one acquire: %v", indexOf(t, s, 0))
 	}
 	now := t0.Add(time.Minute)
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 		Now: now, LeaseExpires: now.Add(time.Minute)})
 	if err != nil || r.State != idem.StateUnknown || r.Token != crashed.Token {
 		t.Fatalf("Acquire after the lease = %+v, %v; want unknown under the old token", r, err)
 	}
-	res, err := s.Scan(ctx, idem.ScanParams{Now: now})
+	res, err := s.Scan(ctx, store.ScanParams{Now: now})
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "crashed" {
 		t.Fatalf("Scan = %+v, %v; want the crashed record", res, err)
 	}
@@ -626,12 +627,12 @@ func TestIndexFull(t *testing.T) {
 	}
 
 	fill(false)
-	_, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "no room", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("a", 32),
+	_, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "no room", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("a", 32),
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Acquire with a full index: %v, want ErrUnavailable", err)
 	}
-	if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "no room", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "no room", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("the record was written though its lease could not be indexed: %v", err)
 	}
 }
@@ -659,7 +660,7 @@ func TestScanWhileSettling(t *testing.T) {
 		if pages > n {
 			t.Fatal("scan does not end")
 		}
-		res, err := s.Scan(context.Background(), idem.ScanParams{Now: now, Limit: 7, Cursor: cursor})
+		res, err := s.Scan(context.Background(), store.ScanParams{Now: now, Limit: 7, Cursor: cursor})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -681,13 +682,13 @@ func TestScanWhileSettling(t *testing.T) {
 	}
 	settled := 0
 	for key := range want {
-		if r, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
+		if r, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
 			t.Fatal(err)
 		} else if r.State == idem.StateFailed {
 			settled++
 		}
 	}
-	res, err := s.Scan(context.Background(), idem.ScanParams{Now: now})
+	res, err := s.Scan(context.Background(), store.ScanParams{Now: now})
 	if err != nil || len(res.Records) != n-settled {
 		t.Fatalf("a fresh scan found %d records, %v; want the %d left unsettled", len(res.Records), err, n-settled)
 	}
@@ -718,7 +719,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	res, err := s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute), Limit: 3})
+	res, err := s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute), Limit: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -729,7 +730,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	if strings.Join(keys, ",") != strings.Join([]string{order[0], order[3], order[4]}, ",") || res.Cursor == "" {
 		t.Fatalf("page = %v, cursor %q; want %v and more to come", keys, res.Cursor, []string{order[0], order[3], order[4]})
 	}
-	res, err = s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute), Limit: 3, Cursor: res.Cursor})
+	res, err = s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute), Limit: 3, Cursor: res.Cursor})
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != order[5] || res.Cursor != "" {
 		t.Fatalf("second page = %+v, %v; want %s alone, and the end", res, err, order[5])
 	}
@@ -763,7 +764,7 @@ func TestScanRejectsForeignCursor(t *testing.T) {
 		b64("1:" + strconv.Itoa(s.shard(h)) + ":" + h[:42]), b64("1:" + strconv.Itoa(s.shard(h)) + ":" + h[:42] + "!"),
 		s.encodeCursor(position{shard: s.shard(h), h: wrongShard}),
 		other.encodeCursor(position{shard: other.shard(far), h: far})} {
-		if _, err := s.Scan(context.Background(), idem.ScanParams{Now: t0, Cursor: c}); !errors.Is(err, idem.ErrInvalid) {
+		if _, err := s.Scan(context.Background(), store.ScanParams{Now: t0, Cursor: c}); !errors.Is(err, idem.ErrInvalid) {
 			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", c, err)
 		}
 	}
@@ -787,7 +788,7 @@ func TestConcurrentWritesOneRecord(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			errs <- s.Checkpoint(context.Background(), idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
+			errs <- s.Checkpoint(context.Background(), store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
 				Now: t0.Add(time.Duration(i) * time.Millisecond), Name: "step-" + strconv.Itoa(i)})
 		}()
 	}
@@ -799,7 +800,7 @@ func TestConcurrentWritesOneRecord(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	got, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	got, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -826,7 +827,7 @@ func TestConcurrentAcquiresOneIndex(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			_, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "k" + strconv.Itoa(i), Fingerprint: storetest.Fingerprint("a"),
+			_, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "k" + strconv.Itoa(i), Fingerprint: storetest.Fingerprint("a"),
 				Token: strings.Repeat("a", 32), Now: t0, LeaseExpires: t0.Add(time.Minute)})
 			errs <- err
 		}()
@@ -845,7 +846,7 @@ func TestConcurrentAcquiresOneIndex(t *testing.T) {
 	seen := map[string]bool{}
 	cursor := ""
 	for {
-		res, err := s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute), Limit: 30, Cursor: cursor})
+		res, err := s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute), Limit: 30, Cursor: cursor})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -882,7 +883,7 @@ func TestBodyLimit(t *testing.T) {
 			Response: &idem.Response{Status: 200, Body: body}, Expires: t0.Add(time.Hour)}); err != nil {
 			t.Fatalf("%s: %v", key, err)
 		}
-		got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: key, Now: t0})
+		got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: key, Now: t0})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -902,14 +903,14 @@ func TestBodyLimit(t *testing.T) {
 	if n := cnt.n.Load() - before; n != 1 {
 		t.Errorf("the refused Finish made %d round trips, want 1 (the read)", n)
 	}
-	if got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "headers", Now: t0}); err != nil || got.State != idem.StateInProgress {
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "headers", Now: t0}); err != nil || got.State != idem.StateInProgress {
 		t.Fatalf("after the refused Finish: %+v, %v", got, err)
 	}
 
-	data := bytes.Repeat([]byte{'"'}, idem.MaxCheckpointData)
+	data := bytes.Repeat([]byte{'"'}, store.MaxCheckpointData)
 	stored := 0
 	for i := 0; ; i++ {
-		err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "headers", Token: r.Token, Now: t0, Name: "c", Data: data})
+		err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "headers", Token: r.Token, Now: t0, Name: "c", Data: data})
 		if errors.Is(err, idem.ErrInvalid) {
 			break
 		}
@@ -918,7 +919,7 @@ func TestBodyLimit(t *testing.T) {
 		}
 		stored++
 	}
-	got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "headers", Now: t0})
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "headers", Now: t0})
 	if err != nil || len(got.Checkpoints) != stored || stored == 0 {
 		t.Fatalf("after checkpoints up to the limit: %d stored of %d accepted, %v", len(got.Checkpoints), stored, err)
 	}
@@ -937,7 +938,7 @@ func TestServerLimitBelowMaxItem(t *testing.T) {
 	if !errors.Is(err, idem.ErrInvalid) || errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Finish of a record over the server's limit: %v, want ErrInvalid", err)
 	}
-	if got, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || got.State != idem.StateInProgress {
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || got.State != idem.StateInProgress {
 		t.Fatalf("after the refused Finish: %+v, %v", got, err)
 	}
 }
@@ -949,25 +950,25 @@ func TestCanceledContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	errs := map[string]error{
-		"Renew":      s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, LeaseExpires: t0.Add(time.Hour)}),
-		"Checkpoint": s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, Name: "x"}),
+		"Renew":      s.Renew(ctx, store.RenewParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, LeaseExpires: t0.Add(time.Hour)}),
+		"Checkpoint": s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, Name: "x"}),
 		"Finish": s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateFailed,
 			Expires: t0.Add(time.Hour)}),
 	}
-	_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "new", Fingerprint: storetest.Fingerprint("a"), Token: r.Token,
+	_, errs["Acquire"] = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "new", Fingerprint: storetest.Fingerprint("a"), Token: r.Token,
 		Now: t0, LeaseExpires: t0.Add(time.Minute)})
-	_, errs["Get"] = s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
-	_, errs["Scan"] = s.Scan(ctx, idem.ScanParams{Now: t0})
+	_, errs["Get"] = s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	_, errs["Scan"] = s.Scan(ctx, store.ScanParams{Now: t0})
 	for name, err := range errs {
 		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%s with a canceled context: %v, want context.Canceled", name, err)
 		}
 	}
-	if got, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil ||
+	if got, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil ||
 		!reflect.DeepEqual(got, r) {
 		t.Fatalf("the record changed under canceled calls: %+v, %v", got, err)
 	}
-	if _, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "new", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
+	if _, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "new", Now: t0}); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("a canceled Acquire wrote a record: %v", err)
 	}
 }
@@ -984,13 +985,13 @@ func TestUnreachableServer(t *testing.T) {
 		ctx := context.Background()
 		tok := strings.Repeat("a", 32)
 		errs := map[string]error{
-			"Renew":      s.Renew(ctx, idem.RenewParams{Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)}),
-			"Checkpoint": s.Checkpoint(ctx, idem.CheckpointParams{Key: "k", Token: tok, Now: t0, Name: "x"}),
+			"Renew":      s.Renew(ctx, store.RenewParams{Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)}),
+			"Checkpoint": s.Checkpoint(ctx, store.CheckpointParams{Key: "k", Token: tok, Now: t0, Name: "x"}),
 			"Finish":     s.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)}),
 		}
-		_, errs["Acquire"] = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
-		_, errs["Get"] = s.Get(ctx, idem.GetParams{Key: "k", Now: t0})
-		_, errs["Scan"] = s.Scan(ctx, idem.ScanParams{Now: t0})
+		_, errs["Acquire"] = s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
+		_, errs["Get"] = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
+		_, errs["Scan"] = s.Scan(ctx, store.ScanParams{Now: t0})
 		for op, err := range errs {
 			if !errors.Is(err, idem.ErrUnavailable) {
 				t.Errorf("%s: %s: err = %v, want ErrUnavailable", name, op, err)
@@ -1036,10 +1037,10 @@ func TestPrune(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := s.Prune(context.Background(), idem.PruneParams{Now: t0}); n != 0 || err != nil {
+	if n, err := s.Prune(context.Background(), store.PruneParams{Now: t0}); n != 0 || err != nil {
 		t.Fatalf("Prune = %d, %v; want 0, nil (Memcached expires records itself)", n, err)
 	}
-	if _, err := s.Prune(context.Background(), idem.PruneParams{}); !errors.Is(err, idem.ErrInvalid) {
+	if _, err := s.Prune(context.Background(), store.PruneParams{}); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("Prune without a time: %v, want ErrInvalid", err)
 	}
 }

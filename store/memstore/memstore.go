@@ -1,4 +1,4 @@
-// Package memstore is an [idem.Store] in memory, for tests and for a single
+// Package memstore is an [store.Store] in memory, for tests and for a single
 // process that can afford to forget every record when it exits.
 //
 // Every operation takes one mutex and costs no I/O. Records are copied in and
@@ -13,47 +13,47 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
-var _ idem.Store = (*Store)(nil)
+var _ store.Store = (*Store)(nil)
 
 // Store keeps records in a map. The zero value is not usable; call [New].
 type Store struct {
 	mu      sync.Mutex
-	records map[string]*idem.Record
+	records map[string]*store.Record
 	maxBody int
 }
 
-var _ idem.BodyLimiter = (*Store)(nil)
+var _ store.BodyLimiter = (*Store)(nil)
 
 // New returns an empty store.
 func New() *Store {
-	return &Store{records: make(map[string]*idem.Record), maxBody: math.MaxInt}
+	return &Store{records: make(map[string]*store.Record), maxBody: math.MaxInt}
 }
 
 // NewLimited returns an empty store that keeps response bodies of at most
 // maxBody bytes, as stores with an item size limit do (see
-// [idem.BodyLimiter]); for tests of that behaviour.
+// [store.BodyLimiter]); for tests of that behaviour.
 func NewLimited(maxBody int) *Store {
 	s := New()
 	s.maxBody = maxBody
 	return s
 }
 
-// MaxBody implements [idem.BodyLimiter].
+// MaxBody implements [store.BodyLimiter].
 func (s *Store) MaxBody() int { return s.maxBody }
 
 // id joins scope and key; neither may hold a NUL byte, so it is unambiguous.
 func id(scope, key string) string { return scope + "\x00" + key }
 
-// Acquire implements [idem.Store].
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+// Acquire implements [store.Store].
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -65,16 +65,16 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 	return *clone(&next), nil
 }
 
-// Renew implements [idem.Store].
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+// Renew implements [store.Store].
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
 
-// Checkpoint implements [idem.Store].
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+// Checkpoint implements [store.Store].
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -82,8 +82,8 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
 
-// Finish implements [idem.Store].
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+// Finish implements [store.Store].
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -94,7 +94,7 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
 
-func (s *Store) update(ctx context.Context, scope, key string, apply func(*idem.Record) error) error {
+func (s *Store) update(ctx context.Context, scope, key string, apply func(*store.Record) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -112,36 +112,36 @@ func (s *Store) update(ctx context.Context, scope, key string, apply func(*idem.
 	return nil
 }
 
-// Get implements [idem.Store].
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+// Get implements [store.Store].
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := s.records[id(p.Scope, p.Key)]
 	if r == nil || !r.Live(p.Now) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	return *clone(r), nil
 }
 
-// Scan implements [idem.Store]. Pages are in scope and key order; the cursor
+// Scan implements [store.Store]. Pages are in scope and key order; the cursor
 // is the last scope and key returned.
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ids := slices.Sorted(maps.Keys(s.records))
-	var res idem.ScanResult
+	var res store.ScanResult
 	for _, k := range ids {
 		if k <= p.Cursor {
 			continue
@@ -157,8 +157,8 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 	return res, nil
 }
 
-// Prune implements [idem.Store].
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+// Prune implements [store.Store].
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -180,7 +180,7 @@ func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
 	return n, nil
 }
 
-func clone(r *idem.Record) *idem.Record {
+func clone(r *store.Record) *store.Record {
 	c := *r
 	c.Response = cloneResponse(r.Response)
 	c.Checkpoints = slices.Clone(r.Checkpoints)
@@ -190,7 +190,7 @@ func clone(r *idem.Record) *idem.Record {
 	return &c
 }
 
-func cloneResponse(r *idem.Response) *idem.Response {
+func cloneResponse(r *store.Response) *store.Response {
 	if r == nil {
 		return nil
 	}
@@ -199,10 +199,10 @@ func cloneResponse(r *idem.Response) *idem.Response {
 	return &c
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter]: records live in this
+// Durability implements [store.DurabilityReporter]: records live in this
 // process's memory and die with it.
-func (s *Store) Durability(context.Context) (idem.Durability, error) {
-	return idem.Durability{Detail: "memory: records live in this process and are lost when it exits"}, nil
+func (s *Store) Durability(context.Context) (store.Durability, error) {
+	return store.Durability{Detail: "memory: records live in this process and are lost when it exits"}, nil
 }

@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -36,7 +36,7 @@ func newBench(b *testing.B) bench {
 }
 
 func token(b *testing.B) string {
-	t, err := idem.NewToken()
+	t, err := store.NewToken()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 		VALUES ($1, $2, 'in_progress', $3, $4, 1, $5, false, $6, $6)`
 	update := `UPDATE ` + name + ` SET state = 'completed', response = $3, expires = $4, updated = $5
 		WHERE scope = $1 AND key = $2`
-	response, err := storetest.BenchResponse.MarshalBinary()
+	response, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -95,7 +95,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 func BenchmarkRawSelect(b *testing.B) {
 	x := newBench(b)
 	name := x.rawTable(b)
-	response, err := storetest.BenchResponse.MarshalBinary()
+	response, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

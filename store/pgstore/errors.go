@@ -10,18 +10,18 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // translate turns a driver error into the root package's vocabulary at the
 // store's edge. Errors that mean the server could not be reached or did not
-// answer wrap [idem.ErrUnavailable]; every other error is wrapped with the
+// answer wrap [store.ErrUnavailable]; every other error is wrapped with the
 // operation's name. The driver's error stays in the chain (for logs and for
 // errors.Is with context.Canceled or context.DeadlineExceeded), but no pgx
 // type is part of the API.
 func translate(op string, err error) error {
 	if unavailable(err) {
-		return fmt.Errorf("pgstore: %s: %w: %w", op, idem.ErrUnavailable, err)
+		return fmt.Errorf("pgstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("pgstore: %s: %w", op, err)
 }

@@ -9,10 +9,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
-var _ idem.Notifier = (*Notifier)(nil)
+var _ store.Notifier = (*Notifier)(nil)
 
 // DefaultNotifyChannel is the channel a [Notifier] listens and notifies on
 // when [NotifierConfig.Channel] is empty.
@@ -52,9 +52,9 @@ type NotifierConfig struct {
 	Channel string
 }
 
-// Notifier is an [idem.Notifier] on PostgreSQL LISTEN/NOTIFY: give one to
-// each [idem.Engine] (in [idem.Config.Notifier]), and a record settled by one
-// engine wakes the callers waiting for it in [idem.Engine.Await] in every
+// Notifier is an [store.Notifier] on PostgreSQL LISTEN/NOTIFY: give one to
+// each [store.Engine] (in [store.Config.Notifier]), and a record settled by one
+// engine wakes the callers waiting for it in [store.Engine.Await] in every
 // other process, instead of at their next poll.
 //
 // It holds one connection of its own, taken from the pool and then no longer
@@ -72,7 +72,7 @@ type Notifier struct {
 	pool      *pgxpool.Pool
 	channel   string
 	listenSQL string
-	subs      idem.Waiters
+	subs      store.Waiters
 
 	stop context.CancelFunc // stops the listener
 	done chan struct{}      // closed when the listener has stopped
@@ -81,18 +81,18 @@ type Notifier struct {
 // NewNotifier returns a notifier on cfg. It returns once its connection
 // listens on the channel, so that any notification sent after it returns is
 // delivered to its subscribers. An invalid config gives an error wrapping
-// [idem.ErrInvalid]; an unreachable server one wrapping
-// [idem.ErrUnavailable].
+// [store.ErrInvalid]; an unreachable server one wrapping
+// [store.ErrUnavailable].
 func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 	if cfg.Pool == nil {
-		return nil, fmt.Errorf("pgstore: %w: notifier config has no pool", idem.ErrInvalid)
+		return nil, fmt.Errorf("pgstore: %w: notifier config has no pool", store.ErrInvalid)
 	}
 	channel := cfg.Channel
 	if channel == "" {
 		channel = DefaultNotifyChannel
 	}
 	if len(channel) > maxIdentifierLen || strings.IndexByte(channel, 0) >= 0 {
-		return nil, fmt.Errorf("pgstore: %w: notify channel name must be 1 to %d bytes without NUL", idem.ErrInvalid, maxIdentifierLen)
+		return nil, fmt.Errorf("pgstore: %w: notify channel name must be 1 to %d bytes without NUL", store.ErrInvalid, maxIdentifierLen)
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pgstore: listen: %w", err)
@@ -113,22 +113,22 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 	return n, nil
 }
 
-// Subscribe implements [idem.Notifier]. It never blocks and does no I/O; the
+// Subscribe implements [store.Notifier]. It never blocks and does no I/O; the
 // channel has room for one value, so wake-ups that come before the last was
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.Add(idem.KeyHash(scope, key))
+	return n.subs.Add(store.KeyHash(scope, key))
 }
 
-// Notify implements [idem.Notifier] with one statement on the pool
+// Notify implements [store.Notifier] with one statement on the pool
 // (pg_notify), so it works after Close too. An unreachable server gives an
-// error wrapping [idem.ErrUnavailable].
+// error wrapping [store.ErrUnavailable].
 func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgstore: notify: %w", err)
 	}
-	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, idem.KeyHash(scope, key)); err != nil {
+	if _, err := n.pool.Exec(ctx, notifySQL, n.channel, store.KeyHash(scope, key)); err != nil {
 		return translate("notify", err)
 	}
 	return nil

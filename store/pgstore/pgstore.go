@@ -1,7 +1,7 @@
-// Package pgstore is an [idem.Store] on PostgreSQL, through pgx v5 and a
+// Package pgstore is an [store.Store] on PostgreSQL, through pgx v5 and a
 // [pgxpool.Pool], for many instances sharing one database, and for handlers
 // whose own writes must commit together with the record ([Store.FinishTx]).
-// Its [Notifier] wakes callers waiting in [idem.Engine.Await] on other
+// Its [Notifier] wakes callers waiting in [store.Engine.Await] on other
 // instances through LISTEN/NOTIFY as soon as a record is settled.
 //
 // # Schema
@@ -15,10 +15,10 @@
 //	fence bigint
 //	lease_expires timestamptz
 //	takeover_safe boolean
-//	response bytea                   idem.Response.MarshalBinary; NULL unless completed
+//	response bytea                   store.Response.MarshalBinary; NULL unless completed
 //	created, updated timestamptz
 //	expires timestamptz              NULL while in_progress or unknown
-//	checkpoints bytea                idem.AppendCheckpoint lines, oldest first; NULL when there are none
+//	checkpoints bytea                store.AppendCheckpoint lines, oldest first; NULL when there are none
 //
 // with a partial index on expires over the settled records (prune) and a
 // partial index on (scope, key) over the unsettled ones (scan). Applied
@@ -51,7 +51,7 @@
 // row can be returned as it is, an INSERT … ON CONFLICT (scope, key) DO UPDATE
 // SET … WHERE … creates the record, re-creates it over an expired or FAILED one,
 // takes over an expired takeover-safe lease, or turns an expired lease into
-// UNKNOWN, exactly as [idem.AcquireParams.Apply] says; the statement returns the
+// UNKNOWN, exactly as [store.AcquireParams.Apply] says; the statement returns the
 // row as it now stands. The uniqueness check of ON CONFLICT serialises racers on
 // one key, and the WHERE is evaluated on the latest committed row, so of any
 // number of concurrent acquirers exactly one wins. A row that needs no change
@@ -103,10 +103,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
-var _ idem.Store = (*Store)(nil)
+var _ store.Store = (*Store)(nil)
 
 // DefaultSchema is the schema that holds the tables when [Config.Schema] is
 // empty.
@@ -136,7 +136,7 @@ type Config struct {
 	NoMigrate bool
 }
 
-// Store is an [idem.Store] on PostgreSQL. It is safe for concurrent use, and
+// Store is an [store.Store] on PostgreSQL. It is safe for concurrent use, and
 // any number of stores in any number of processes may share one schema.
 type Store struct {
 	pool   *pgxpool.Pool
@@ -147,17 +147,17 @@ type Store struct {
 
 // New returns a store on cfg.Pool and, unless cfg.NoMigrate, applies the
 // migrations (see [Store.Migrate]). An invalid config gives an error wrapping
-// [idem.ErrInvalid]; an unreachable server one wrapping [idem.ErrUnavailable].
+// [store.ErrInvalid]; an unreachable server one wrapping [store.ErrUnavailable].
 func New(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Pool == nil {
-		return nil, fmt.Errorf("pgstore: %w: config has no pool", idem.ErrInvalid)
+		return nil, fmt.Errorf("pgstore: %w: config has no pool", store.ErrInvalid)
 	}
 	schema := cfg.Schema
 	if schema == "" {
 		schema = DefaultSchema
 	}
 	if len(schema) > maxIdentifierLen || strings.IndexByte(schema, 0) >= 0 {
-		return nil, fmt.Errorf("pgstore: %w: schema name must be 1 to %d bytes without NUL", idem.ErrInvalid, maxIdentifierLen)
+		return nil, fmt.Errorf("pgstore: %w: schema name must be 1 to %d bytes without NUL", store.ErrInvalid, maxIdentifierLen)
 	}
 	table := pgx.Identifier{schema, "records"}.Sanitize()
 	sub := func(sql string) string { return strings.ReplaceAll(sql, "{{table}}", table) }
@@ -309,7 +309,7 @@ WHERE ctid = ANY (ARRAY(
 	LIMIT $2
 	FOR UPDATE SKIP LOCKED))`
 
-// Acquire implements [idem.Store] in one statement (see the package doc).
+// Acquire implements [store.Store] in one statement (see the package doc).
 //
 // Under READ COMMITTED the statement reads the existing row from its snapshot,
 // but ON CONFLICT sees the latest committed row. When a concurrent transaction
@@ -317,14 +317,14 @@ WHERE ctid = ANY (ARRAY(
 // find nothing to write while the snapshot shows no usable row, and the
 // statement returns no row. Acquire then runs the statement again, with a
 // fresh snapshot that sees the committed row, up to a few times; only steady
-// contention on one key makes it give up, with [idem.ErrUnavailable]. Nothing
+// contention on one key makes it give up, with [store.ErrUnavailable]. Nothing
 // was written by an attempt that returned no row.
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("pgstore: acquire: %w", err)
+		return store.Record{}, fmt.Errorf("pgstore: acquire: %w", err)
 	}
 	for range acquireAttempts {
 		row := s.pool.QueryRow(ctx, s.acquireSQL,
@@ -334,15 +334,15 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 			continue // the row changed after the snapshot: look again
 		}
 		if err != nil {
-			return idem.Record{}, translate("acquire", err)
+			return store.Record{}, translate("acquire", err)
 		}
 		return r, nil
 	}
-	return idem.Record{}, fmt.Errorf("pgstore: acquire: %w: the record changed under %d attempts in a row", idem.ErrUnavailable, acquireAttempts)
+	return store.Record{}, fmt.Errorf("pgstore: acquire: %w: the record changed under %d attempts in a row", store.ErrUnavailable, acquireAttempts)
 }
 
-// Renew implements [idem.Store] with one UPDATE.
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+// Renew implements [store.Store] with one UPDATE.
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -354,31 +354,31 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 		return translate("renew", err)
 	}
 	if tag.RowsAffected() == 0 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Checkpoint implements [idem.Store] with one UPDATE.
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+// Checkpoint implements [store.Store] with one UPDATE.
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgstore: checkpoint: %w", err)
 	}
-	tag, err := s.pool.Exec(ctx, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, idem.AppendCheckpoint(nil, p.Checkpoint()))
+	tag, err := s.pool.Exec(ctx, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, store.AppendCheckpoint(nil, p.Checkpoint()))
 	if err != nil {
 		return translate("checkpoint", err)
 	}
 	if tag.RowsAffected() == 0 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Finish implements [idem.Store] with one UPDATE.
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+// Finish implements [store.Store] with one UPDATE.
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	return s.finish(ctx, s.pool, "finish", p)
 }
 
@@ -387,7 +387,7 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 // commit together or not at all. A crash before the commit leaves neither, so
 // work done this way can be declared TakeoverSafe. It is one statement in tx.
 //
-// [idem.ErrLeaseLost] means the lease no longer owns the record: the caller
+// [store.ErrLeaseLost] means the lease no longer owns the record: the caller
 // must roll tx back, since a newer owner's outcome stands. Any other error
 // also leaves tx unusable (PostgreSQL aborts the transaction).
 //
@@ -399,16 +399,16 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 //	if _, err := tx.Exec(ctx, "INSERT INTO ledger (account, amount) VALUES ($1, $2)", acct, amount); err != nil {
 //		return err
 //	}
-//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
-//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//	return eng.Settle(ctx, lease, store.Settlement{State: store.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p store.FinishParams) error {
 //			if err := store.FinishTx(ctx, tx, p); err != nil {
 //				return err // ErrLeaseLost: the deferred Rollback undoes the ledger write
 //			}
 //			return tx.Commit(ctx)
 //		}})
-func (s *Store) FinishTx(ctx context.Context, tx pgx.Tx, p idem.FinishParams) error {
+func (s *Store) FinishTx(ctx context.Context, tx pgx.Tx, p store.FinishParams) error {
 	if tx == nil {
-		return fmt.Errorf("pgstore: finish in transaction: %w: nil transaction", idem.ErrInvalid)
+		return fmt.Errorf("pgstore: finish in transaction: %w: nil transaction", store.ErrInvalid)
 	}
 	p.Repeat = false // the caller's writes in tx must never commit twice
 	return s.finish(ctx, tx, "finish in transaction", p)
@@ -419,7 +419,7 @@ type execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-func (s *Store) finish(ctx context.Context, db execer, op string, p idem.FinishParams) error {
+func (s *Store) finish(ctx context.Context, db execer, op string, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -442,43 +442,43 @@ func (s *Store) finish(ctx context.Context, db execer, op string, p idem.FinishP
 		return translate(op, err)
 	}
 	if tag.RowsAffected() == 0 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Get implements [idem.Store] with one SELECT.
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+// Get implements [store.Store] with one SELECT.
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("pgstore: get: %w", err)
+		return store.Record{}, fmt.Errorf("pgstore: get: %w", err)
 	}
 	r, err := scanRecord(s.pool.QueryRow(ctx, s.getSQL, p.Scope, p.Key, p.Now))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	if err != nil {
-		return idem.Record{}, translate("get", err)
+		return store.Record{}, translate("get", err)
 	}
 	return r, nil
 }
 
-// Scan implements [idem.Store] with one SELECT per page. Pages are in byte
+// Scan implements [store.Store] with one SELECT per page. Pages are in byte
 // order of scope, then key; the cursor is an opaque encoding of the last
 // scope and key returned. A cursor this store did not make gives an error
-// wrapping [idem.ErrInvalid].
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+// wrapping [store.ErrInvalid].
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	afterScope, afterKey, err := decodeCursor(p.Cursor)
 	if err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.ScanResult{}, fmt.Errorf("pgstore: scan: %w", err)
+		return store.ScanResult{}, fmt.Errorf("pgstore: scan: %w", err)
 	}
 	size := int64(p.PageSize())
 	fetch := size // one more than a page tells whether another page follows
@@ -487,10 +487,10 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 	}
 	rows, err := s.pool.Query(ctx, s.scanSQL, p.Now, afterScope, afterKey, fetch)
 	if err != nil {
-		return idem.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate("scan", err)
 	}
 	defer rows.Close()
-	var res idem.ScanResult
+	var res store.ScanResult
 	for rows.Next() {
 		if int64(len(res.Records)) == size {
 			last := res.Records[len(res.Records)-1]
@@ -499,19 +499,19 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 		}
 		r, err := scanRecord(rows)
 		if err != nil {
-			return idem.ScanResult{}, translate("scan", err)
+			return store.ScanResult{}, translate("scan", err)
 		}
 		res.Records = append(res.Records, r)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return idem.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate("scan", err)
 	}
 	return res, nil
 }
 
-// Prune implements [idem.Store] with one DELETE per call.
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+// Prune implements [store.Store] with one DELETE per call.
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -526,19 +526,19 @@ func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
 }
 
 // scanRecord reads one row of columns.
-func scanRecord(row pgx.Row) (idem.Record, error) {
+func scanRecord(row pgx.Row) (store.Record, error) {
 	var (
-		r                  idem.Record
+		r                  store.Record
 		state, fingerprint string
 		response, cps      []byte
 		expires            *time.Time
 	)
 	if err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &r.LeaseExpires,
 		&r.TakeoverSafe, &response, &r.Created, &r.Updated, &expires, &cps); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
-	r.State = idem.State(state)
-	r.Fingerprint = idem.Fingerprint(fingerprint)
+	r.State = store.State(state)
+	r.Fingerprint = store.Fingerprint(fingerprint)
 	r.LeaseExpires = r.LeaseExpires.UTC()
 	r.Created = r.Created.UTC()
 	r.Updated = r.Updated.UTC()
@@ -546,14 +546,14 @@ func scanRecord(row pgx.Row) (idem.Record, error) {
 		r.Expires = expires.UTC()
 	}
 	if response != nil {
-		r.Response = new(idem.Response)
+		r.Response = new(store.Response)
 		if err := r.Response.UnmarshalBinary(response); err != nil {
-			return idem.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
+			return store.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
 		}
 	}
 	var err error
-	if r.Checkpoints, err = idem.DecodeCheckpoints(cps); err != nil {
-		return idem.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
+	if r.Checkpoints, err = store.DecodeCheckpoints(cps); err != nil {
+		return store.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
 	}
 	return r, nil
 }
@@ -577,7 +577,7 @@ func decodeCursor(c string) (scope, key string, err error) {
 	if c == "" {
 		return "", "", nil
 	}
-	bad := fmt.Errorf("pgstore: scan: %w: malformed cursor", idem.ErrInvalid)
+	bad := fmt.Errorf("pgstore: scan: %w: malformed cursor", store.ErrInvalid)
 	b, err := base64.RawURLEncoding.DecodeString(c)
 	if err != nil || len(b) < 2 || b[0] != cursorVersion {
 		return "", "", bad
@@ -590,19 +590,19 @@ func decodeCursor(c string) (scope, key string, err error) {
 	return string(rest[:n]), string(rest[n:]), nil
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter] from fsync and
+// Durability implements [store.DurabilityReporter] from fsync and
 // synchronous_commit, with the server's start time as its instance: a commit
 // survives a crash when fsync is on and synchronous_commit is not off.
-func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	var fsync, syncCommit, started string
 	err := s.pool.QueryRow(ctx, `SELECT current_setting('fsync'), current_setting('synchronous_commit'),
 		pg_postmaster_start_time()::text`).Scan(&fsync, &syncCommit, &started)
 	if err != nil {
-		return idem.Durability{}, translate("durability", err)
+		return store.Durability{}, translate("durability", err)
 	}
-	d := idem.Durability{Instance: started, Detail: "fsync=" + fsync + ", synchronous_commit=" + syncCommit}
+	d := store.Durability{Instance: started, Detail: "fsync=" + fsync + ", synchronous_commit=" + syncCommit}
 	switch {
 	case fsync != "on":
 		d.Detail += ": a crash may lose or corrupt committed records"

@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -31,8 +32,8 @@ func fp(body string) idem.Fingerprint {
 	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
 }
 
-func acquireParams(key, token string, now time.Time) idem.AcquireParams {
-	return idem.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: token, Now: now, LeaseExpires: now.Add(30 * time.Second)}
+func acquireParams(key, token string, now time.Time) store.AcquireParams {
+	return store.AcquireParams{Scope: "s", Key: key, Fingerprint: fp("a"), Token: token, Now: now, LeaseExpires: now.Add(30 * time.Second)}
 }
 
 func completeParams(key, token string, now time.Time) idem.FinishParams {
@@ -40,7 +41,7 @@ func completeParams(key, token string, now time.Time) idem.FinishParams {
 		Response: &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}, Expires: now.Add(time.Hour)}
 }
 
-func mustAcquire(t *testing.T, s *pgstore.Store, p idem.AcquireParams) idem.Record {
+func mustAcquire(t *testing.T, s *pgstore.Store, p store.AcquireParams) idem.Record {
 	t.Helper()
 	r, err := s.Acquire(ctx, p)
 	if err != nil {
@@ -103,13 +104,13 @@ func TestPruneDeletesRows(t *testing.T) {
 	}
 
 	// Just before expiry nothing goes.
-	if n, err := s.Prune(ctx, idem.PruneParams{Now: t0.Add(time.Hour - time.Microsecond), Limit: 3}); err != nil || n != 0 {
+	if n, err := s.Prune(ctx, store.PruneParams{Now: t0.Add(time.Hour - time.Microsecond), Limit: 3}); err != nil || n != 0 {
 		t.Fatalf("Prune before expiry = %d, %v; want 0", n, err)
 	}
 	// At expiry, batches of at most 3: 3, 3, 1, 0.
 	now := t0.Add(time.Hour)
 	for i, want := range []int{3, 3, 1, 0} {
-		n, err := s.Prune(ctx, idem.PruneParams{Now: now, Limit: 3})
+		n, err := s.Prune(ctx, store.PruneParams{Now: now, Limit: 3})
 		if err != nil || n != want {
 			t.Fatalf("Prune batch %d = %d, %v; want %d", i, n, err, want)
 		}
@@ -121,7 +122,7 @@ func TestPruneDeletesRows(t *testing.T) {
 		t.Fatalf("%d expired rows survived pruning", n)
 	}
 	for _, key := range []string{"live", "running", "unknown"} {
-		if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
+		if _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
 			t.Fatalf("Get(%q) after prune: %v", key, err)
 		}
 	}
@@ -145,7 +146,7 @@ func TestPruneRacesAcquire(t *testing.T) {
 	errs := make(chan error, n+1)
 	wg.Go(func() {
 		for {
-			k, err := s.Prune(ctx, idem.PruneParams{Now: now, Limit: 1})
+			k, err := s.Prune(ctx, store.PruneParams{Now: now, Limit: 1})
 			if err != nil {
 				errs <- err
 				return
@@ -172,12 +173,12 @@ func TestPruneRacesAcquire(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	if k, err := s.Prune(ctx, idem.PruneParams{Now: now}); err != nil || k != 0 {
+	if k, err := s.Prune(ctx, store.PruneParams{Now: now}); err != nil || k != 0 {
 		t.Fatalf("final Prune = %d, %v; want nothing left to prune", k, err)
 	}
 	for i := range n {
 		key := fmt.Sprintf("k-%03d", i)
-		if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
+		if r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: key, Now: now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
 			t.Fatalf("%s after the race: %+v, %v; want the re-created record", key, r, err)
 		}
 	}
@@ -212,7 +213,7 @@ func TestFinishTxCommitsTogether(t *testing.T) {
 		t.Fatalf("FinishTx: %v", err)
 	}
 	// Until the commit, others see neither the record's outcome nor the debit.
-	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateInProgress {
+	if r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateInProgress {
 		t.Fatalf("before commit: Get = %v, %v; want in progress", r.State, err)
 	}
 	if n := countRows(t, pool, "SELECT count(*) FROM "+ledger); n != 0 {
@@ -250,7 +251,7 @@ func TestFinishTxRollbackLeavesInProgress(t *testing.T) {
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || r.State != idem.StateInProgress || r.Token != "tok" || r.Response != nil || !r.Expires.IsZero() {
 		t.Fatalf("after rollback: Get = %+v, %v; want the record in progress under the same lease", r, err)
 	}
@@ -288,7 +289,7 @@ func TestFinishTxStaleToken(t *testing.T) {
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: p.Now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
+	if r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: p.Now}); err != nil || r.Token != "new" || r.State != idem.StateInProgress {
 		t.Fatalf("record after the stale FinishTx = %+v, %v", r, err)
 	}
 	err = s.FinishTx(ctx, nil, completeParams("k", "new", p.Now))
@@ -342,7 +343,7 @@ func TestUnreachableServer(t *testing.T) {
 	if err := s.Finish(ctx, completeParams("k", "tok", t0)); !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Finish on an unreachable server = %v, want ErrUnavailable", err)
 	}
-	if _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); !errors.Is(err, idem.ErrUnavailable) {
+	if _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Get on an unreachable server = %v, want ErrUnavailable", err)
 	}
 	canceled, cancel := context.WithCancel(ctx)
@@ -385,7 +386,7 @@ func TestDeadlineIsUnavailable(t *testing.T) {
 	if err := s.Finish(ctx, completeParams("k", "tok", t0)); err != nil && !errors.Is(err, idem.ErrLeaseLost) {
 		t.Fatalf("retried Finish: %v", err)
 	}
-	if r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateCompleted || r.Token != "tok" {
+	if r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateCompleted || r.Token != "tok" {
 		t.Fatalf("record after the retried Finish = %+v, %v; want completed", r, err)
 	}
 }
@@ -425,7 +426,7 @@ func TestConcurrentNewMigratesOnce(t *testing.T) {
 		t.Fatalf("Migrate again: %v", err)
 	}
 	mustAcquire(t, stores[3], acquireParams("k", "tok", t0))
-	if r, err := stores[7].Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.Token != "tok" {
+	if r, err := stores[7].Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.Token != "tok" {
 		t.Fatalf("Get through another store = %+v, %v", r, err)
 	}
 }
@@ -447,12 +448,12 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 	r := mustAcquire(t, s, acquireParams("k", "tok", t0))
 	binary := []byte{0, '\n', 0xff, '"'}
 	for i, name := range []string{"authorize", "capture"} {
-		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
+		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
 			Now: t0.Add(time.Duration(i+1) * time.Second), Name: name, Data: binary}); err != nil {
 			t.Fatalf("Checkpoint %s: %v", name, err)
 		}
 	}
-	stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	stored, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || names(stored) != "authorize capture" || !stored.Updated.Equal(t0.Add(2*time.Second)) ||
 		!stored.Checkpoints[1].At.Equal(t0.Add(2*time.Second)) || string(stored.Checkpoints[1].Data) != string(binary) {
 		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
@@ -462,7 +463,7 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
 	}
-	if stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || !reflect.DeepEqual(stored, unknown) {
+	if stored, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || !reflect.DeepEqual(stored, unknown) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
 	}
 	if err := s.Finish(ctx, completeParams("k", "tok", t0.Add(time.Minute))); err != nil {
@@ -532,14 +533,14 @@ func TestMigrateUpgradesVersion1(t *testing.T) {
 
 	// The record written before the upgrade reads with no checkpoints and
 	// takes one.
-	r, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || r.Token != "tok" || r.Checkpoints != nil {
 		t.Fatalf("Get of the old record = %+v, %v", r, err)
 	}
-	if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize"}); err != nil {
+	if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize"}); err != nil {
 		t.Fatalf("Checkpoint of the old record: %v", err)
 	}
-	r, err = s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	r, err = s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || len(r.Checkpoints) != 1 || r.Checkpoints[0].Name != "authorize" || r.TakeoverSafe {
 		t.Fatalf("Get after Checkpoint = %+v, %v", r, err)
 	}
@@ -565,9 +566,9 @@ func TestRoundTrips(t *testing.T) {
 		}
 	}
 	cost("Acquire of a new key", func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
-	renew := idem.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
+	renew := store.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
 	cost("Renew", func() error { return s.Renew(ctx, renew) })
-	checkpoint := idem.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize", Data: []byte("x")}
+	checkpoint := store.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize", Data: []byte("x")}
 	cost("Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
 	checkpoint.Now = t0.Add(1500 * time.Millisecond)
 	cost("second Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
@@ -579,9 +580,9 @@ func TestRoundTrips(t *testing.T) {
 		}
 		return err
 	})
-	cost("Get", func() error { _, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
-	cost("Scan", func() error { _, err := s.Scan(ctx, idem.ScanParams{Now: t0}); return err })
-	cost("Prune", func() error { _, err := s.Prune(ctx, idem.PruneParams{Now: t0}); return err })
+	cost("Get", func() error { _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
+	cost("Scan", func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
+	cost("Prune", func() error { _, err := s.Prune(ctx, store.PruneParams{Now: t0}); return err })
 }
 
 // TestReplayWritesNothing: an acquire that returns the row as it is (a replay,
@@ -602,7 +603,7 @@ func TestReplayWritesNothing(t *testing.T) {
 		}
 		return v
 	}
-	same := func(what, key string, p idem.AcquireParams, want idem.State) {
+	same := func(what, key string, p store.AcquireParams, want idem.State) {
 		t.Helper()
 		before := version(key)
 		r, err := s.Acquire(ctx, p)
@@ -749,7 +750,7 @@ func TestScanCursor(t *testing.T) {
 	s, _ := newStore(t)
 	// Scopes and keys that would collide if simply joined.
 	for _, ref := range [][2]string{{"a:b", "c"}, {"a", "b:c"}, {"a", "b"}, {"", "z"}} {
-		if _, err := s.Acquire(ctx, idem.AcquireParams{Scope: ref[0], Key: ref[1], Fingerprint: fp("a"), Token: "tok",
+		if _, err := s.Acquire(ctx, store.AcquireParams{Scope: ref[0], Key: ref[1], Fingerprint: fp("a"), Token: "tok",
 			Now: t0, LeaseExpires: t0.Add(time.Second)}); err != nil {
 			t.Fatal(err)
 		}
@@ -757,7 +758,7 @@ func TestScanCursor(t *testing.T) {
 	var got []string
 	cursor := ""
 	for {
-		res, err := s.Scan(ctx, idem.ScanParams{Now: t0.Add(time.Second), Limit: 1, Cursor: cursor})
+		res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Second), Limit: 1, Cursor: cursor})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -772,7 +773,7 @@ func TestScanCursor(t *testing.T) {
 		t.Fatalf("scan order %q, want %q", got, want)
 	}
 	for _, bad := range []string{"%%%", "AA", "AQ", "Ag"} {
-		if _, err := s.Scan(ctx, idem.ScanParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
+		if _, err := s.Scan(ctx, store.ScanParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
 			t.Fatalf("Scan with cursor %q = %v, want ErrInvalid", bad, err)
 		}
 	}

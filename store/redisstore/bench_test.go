@@ -38,7 +38,7 @@ func BenchmarkRawSetNXSet(b *testing.B) {
 	s := newTestStore(b, client, 0)
 	warmUp(b, s)
 	ctx := context.Background()
-	value, err := storetest.BenchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -60,7 +60,7 @@ func BenchmarkRawGet(b *testing.B) {
 	s := newTestStore(b, client, 0)
 	warmUp(b, s)
 	ctx := context.Background()
-	value, err := storetest.BenchResponse.MarshalBinary()
+	value, err := storetest.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/redis/go-redis/v9"
 )
 
-var _ idem.Notifier = (*Notifier)(nil)
+var _ store.Notifier = (*Notifier)(nil)
 
 // DefaultNotifyChannel is the pub/sub channel a [Notifier] subscribes and
 // publishes to when [NotifierConfig.Channel] is empty.
@@ -28,9 +28,9 @@ type NotifierConfig struct {
 	Channel string
 }
 
-// Notifier is an [idem.Notifier] on Redis pub/sub: give one to each
-// [idem.Engine] (in [idem.Config.Notifier]), and a record settled by one
-// engine wakes the callers waiting for it in [idem.Engine.Await] in every
+// Notifier is an [store.Notifier] on Redis pub/sub: give one to each
+// [store.Engine] (in [store.Config.Notifier]), and a record settled by one
+// engine wakes the callers waiting for it in [store.Engine.Await] in every
 // other process, instead of at their next poll.
 //
 // It holds one subscription (SUBSCRIBE, on a connection of its own) to the
@@ -46,7 +46,7 @@ type Notifier struct {
 	client  redis.UniversalClient
 	channel string
 	pubsub  *redis.PubSub
-	subs    idem.Waiters
+	subs    store.Waiters
 
 	done     chan struct{} // closed when the goroutine reading pubsub has ended
 	close    sync.Once
@@ -56,11 +56,11 @@ type Notifier struct {
 // NewNotifier returns a notifier on cfg. It returns once Redis has confirmed
 // the subscription, so that any notification sent after it returns is
 // delivered to its subscribers; ctx bounds that wait. An invalid config
-// gives an error wrapping [idem.ErrInvalid]; an unreachable server one
-// wrapping [idem.ErrUnavailable].
+// gives an error wrapping [store.ErrInvalid]; an unreachable server one
+// wrapping [store.ErrUnavailable].
 func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 	if cfg.Client == nil {
-		return nil, fmt.Errorf("redisstore: %w: notifier config has no client", idem.ErrInvalid)
+		return nil, fmt.Errorf("redisstore: %w: notifier config has no client", store.ErrInvalid)
 	}
 	channel := cfg.Channel
 	if channel == "" {
@@ -85,22 +85,22 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 	return n, nil
 }
 
-// Subscribe implements [idem.Notifier]. It never blocks and does no I/O; the
+// Subscribe implements [store.Notifier]. It never blocks and does no I/O; the
 // channel has room for one value, so wake-ups that come before the last was
 // received are merged. It works after Close too, but then nothing wakes the
 // channel.
 func (n *Notifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.subs.Add(idem.KeyHash(scope, key))
+	return n.subs.Add(store.KeyHash(scope, key))
 }
 
-// Notify implements [idem.Notifier] with one PUBLISH on the client, so it
+// Notify implements [store.Notifier] with one PUBLISH on the client, so it
 // works after Close too. An unreachable server gives an error wrapping
-// [idem.ErrUnavailable].
+// [store.ErrUnavailable].
 func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("redisstore: notify: %w", err)
 	}
-	if err := n.client.Publish(ctx, n.channel, idem.KeyHash(scope, key)).Err(); err != nil {
+	if err := n.client.Publish(ctx, n.channel, store.KeyHash(scope, key)).Err(); err != nil {
 		return translate("notify", err)
 	}
 	return nil

@@ -1,6 +1,6 @@
-// Package redisstore is an [idem.Store] on Redis (6.2 or later), standalone or
+// Package redisstore is an [store.Store] on Redis (6.2 or later), standalone or
 // Redis Cluster, through go-redis v9. Its [Notifier] wakes callers waiting in
-// [idem.Engine.Await] on other instances through pub/sub as soon as a record
+// [store.Engine.Await] on other instances through pub/sub as soon as a record
 // is settled.
 //
 // # Layout
@@ -17,9 +17,9 @@
 // tag, whatever the scope and key contain; the scope's length makes scope
 // and key unambiguous ("a:b","c" is not "a","b:c"). A record's hash has the
 // fields state, fp, token, fence, lease, ts (takeover safe, 0 or 1), resp
-// (the bytes of [idem.Response.MarshalBinary], only while COMPLETED),
+// (the bytes of [store.Response.MarshalBinary], only while COMPLETED),
 // created, updated, exp (0 while unsettled), scope, key and cps (the
-// checkpoints: the concatenated [idem.AppendCheckpoint] lines, oldest first;
+// checkpoints: the concatenated [store.AppendCheckpoint] lines, oldest first;
 // absent when there are none). Times are unix milliseconds taken from the
 // params (the store never reads a clock, nor Redis TIME); they are truncated
 // to the millisecond and come back in UTC. A checkpoint's own time, inside
@@ -55,12 +55,12 @@
 // # Errors
 //
 // Errors are translated at the store's edge: a token that no longer owns
-// the record gives [idem.ErrLeaseLost], a missing or expired record
-// [idem.ErrNotFound], and a failure to reach Redis or to get its answer
+// the record gives [store.ErrLeaseLost], a missing or expired record
+// [store.ErrNotFound], and a failure to reach Redis or to get its answer
 // (refused or broken connections, timeouts, a closed client or exhausted
 // pool, a deadline that ran out, and the LOADING, CLUSTERDOWN, TRYAGAIN,
 // MASTERDOWN, READONLY, BUSY and max-clients replies of a server that is
-// starting, failing over or overloaded) wraps [idem.ErrUnavailable]. A
+// starting, failing over or overloaded) wraps [store.ErrUnavailable]. A
 // cancelled context stays recognisable with errors.Is.
 //
 // # Durability
@@ -113,11 +113,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/redis/go-redis/v9"
 )
 
-var _ idem.Store = (*Store)(nil)
+var _ store.Store = (*Store)(nil)
 
 // Defaults for [Config].
 const (
@@ -150,7 +150,7 @@ type Config struct {
 	Shards int
 }
 
-// Store is an [idem.Store] on Redis. It is safe for concurrent use, and any
+// Store is an [store.Store] on Redis. It is safe for concurrent use, and any
 // number of processes may share one Redis through stores with the same
 // Prefix and Shards. Make one with [New].
 type Store struct {
@@ -160,25 +160,25 @@ type Store struct {
 	pending []string // pending[i] = tags[i] + ":pending"
 }
 
-// New returns a store for cfg. The error wraps [idem.ErrInvalid] when cfg is
+// New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
 // not valid. New does not contact Redis.
 func New(cfg Config) (*Store, error) {
 	if cfg.Client == nil {
-		return nil, fmt.Errorf("redisstore: %w: config has no client", idem.ErrInvalid)
+		return nil, fmt.Errorf("redisstore: %w: config has no client", store.ErrInvalid)
 	}
 	prefix := cfg.Prefix
 	if prefix == "" {
 		prefix = DefaultPrefix
 	}
 	if strings.ContainsAny(prefix, "{}") {
-		return nil, fmt.Errorf("redisstore: %w: prefix %q contains a brace", idem.ErrInvalid, prefix)
+		return nil, fmt.Errorf("redisstore: %w: prefix %q contains a brace", store.ErrInvalid, prefix)
 	}
 	shards := cfg.Shards
 	if shards == 0 {
 		shards = DefaultShards
 	}
 	if shards < 1 || shards > MaxShards {
-		return nil, fmt.Errorf("redisstore: %w: shards must be 1 to %d, not %d", idem.ErrInvalid, MaxShards, shards)
+		return nil, fmt.Errorf("redisstore: %w: shards must be 1 to %d, not %d", store.ErrInvalid, MaxShards, shards)
 	}
 	s := &Store{client: cfg.Client, shards: uint32(shards), tags: make([]string, shards), pending: make([]string, shards)}
 	for i := range shards {
@@ -205,7 +205,7 @@ func (s *Store) keys(scope, key string) (record, pending string) {
 // ms converts a time to unix milliseconds, as stored.
 func ms(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
 
-// acquireScript applies idem.AcquireParams.Apply to the record in KEYS[1]
+// acquireScript applies store.AcquireParams.Apply to the record in KEYS[1]
 // and returns the record as it is afterwards: the values of recordFields, in
 // that order, false (nil) for a field the record does not have. It reads the
 // hash once, and returns what it read or wrote without reading it again. A
@@ -246,7 +246,7 @@ return r
 // acquireScript returns their values.
 var recordFields = [...]string{"state", "fp", "token", "fence", "lease", "ts", "resp", "created", "updated", "exp", "scope", "key", "cps"}
 
-// renewScript applies idem.RenewParams.Apply: 1 when renewed, 0 when the
+// renewScript applies store.RenewParams.Apply: 1 when renewed, 0 when the
 // lease is lost.
 //
 // KEYS: record, pending. ARGV: token, now, lease.
@@ -260,12 +260,12 @@ redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
 return 1
 `)
 
-// checkpointScript applies idem.CheckpointParams.Apply: 1 when the
+// checkpointScript applies store.CheckpointParams.Apply: 1 when the
 // checkpoint was appended (and the record is no longer takeover safe), 0 when
 // the lease is lost. The lease does not change, so neither does the pending
 // set.
 //
-// KEYS: record. ARGV: token, now, checkpoint (its idem.AppendCheckpoint line).
+// KEYS: record. ARGV: token, now, checkpoint (its store.AppendCheckpoint line).
 var checkpointScript = redis.NewScript(`
 local cur = redis.call('HMGET', KEYS[1], 'state', 'token', 'lease', 'cps')
 if cur[1] ~= 'in_progress' or cur[2] ~= ARGV[1] or tonumber(ARGV[2]) >= tonumber(cur[3]) then
@@ -275,7 +275,7 @@ redis.call('HSET', KEYS[1], 'cps', (cur[4] or '') .. ARGV[3], 'ts', '0', 'update
 return 1
 `)
 
-// finishScript applies idem.FinishParams.Apply: 1 when settled, 0 when the
+// finishScript applies store.FinishParams.Apply: 1 when settled, 0 when the
 // lease is lost. A terminal record leaves the pending set and expires at
 // retention; an UNKNOWN one stays pending, scored at most now so that a scan
 // finds it at once. When repeat is 1, a repeat of the write that settled the
@@ -351,14 +351,14 @@ end
 return out
 `)
 
-// Acquire implements [idem.Store]: one round trip, which also returns the
+// Acquire implements [store.Store]: one round trip, which also returns the
 // existing record when there is one.
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
+		return store.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
 	}
 	rec, pending := s.keys(p.Scope, p.Key)
 	ts := "0"
@@ -368,21 +368,21 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 	v, err := acquireScript.Run(ctx, s.client, []string{rec, pending},
 		ms(p.Now), string(p.Fingerprint), p.Token, ms(p.LeaseExpires), ts, p.Scope, p.Key).Slice()
 	if err != nil {
-		return idem.Record{}, translate("acquire", err)
+		return store.Record{}, translate("acquire", err)
 	}
 	fields, err := fieldValues(v)
 	if err != nil {
-		return idem.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
+		return store.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
 	}
 	r, err := decode(fields)
 	if err != nil {
-		return idem.Record{}, fmt.Errorf("redisstore: acquire: record %q: %w", rec, err)
+		return store.Record{}, fmt.Errorf("redisstore: acquire: record %q: %w", rec, err)
 	}
 	return r, nil
 }
 
-// Renew implements [idem.Store]: one round trip.
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+// Renew implements [store.Store]: one round trip.
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -395,13 +395,13 @@ func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
 		return translate("renew", err)
 	}
 	if n != 1 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Checkpoint implements [idem.Store]: one round trip.
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+// Checkpoint implements [store.Store]: one round trip.
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -410,19 +410,19 @@ func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
 	}
 	rec, _ := s.keys(p.Scope, p.Key)
 	n, err := checkpointScript.Run(ctx, s.client, []string{rec},
-		p.Token, ms(p.Now), idem.AppendCheckpoint(nil, p.Checkpoint())).Int()
+		p.Token, ms(p.Now), store.AppendCheckpoint(nil, p.Checkpoint())).Int()
 	if err != nil {
 		return translate("checkpoint", err)
 	}
 	if n != 1 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Finish implements [idem.Store]: one round trip. A COMPLETED or FAILED
+// Finish implements [store.Store]: one round trip. A COMPLETED or FAILED
 // record gets a Redis TTL of its remaining retention (at least 1 ms).
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -452,33 +452,33 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 		return translate("finish", err)
 	}
 	if n != 1 {
-		return idem.ErrLeaseLost
+		return store.ErrLeaseLost
 	}
 	return nil
 }
 
-// Get implements [idem.Store]: one round trip (HGETALL).
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+// Get implements [store.Store]: one round trip (HGETALL).
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.Record{}, fmt.Errorf("redisstore: get: %w", err)
+		return store.Record{}, fmt.Errorf("redisstore: get: %w", err)
 	}
 	rec, _ := s.keys(p.Scope, p.Key)
 	fields, err := s.client.HGetAll(ctx, rec).Result()
 	if err != nil {
-		return idem.Record{}, translate("get", err)
+		return store.Record{}, translate("get", err)
 	}
 	if len(fields) == 0 {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	r, err := decode(fields)
 	if err != nil {
-		return idem.Record{}, fmt.Errorf("redisstore: get: record %q: %w", rec, err)
+		return store.Record{}, fmt.Errorf("redisstore: get: record %q: %w", rec, err)
 	}
 	if !r.Live(p.Now) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	return r, nil
 }
@@ -491,37 +491,37 @@ type position struct {
 	member string
 }
 
-// Scan implements [idem.Store]. It walks the shards in order, and each
+// Scan implements [store.Store]. It walks the shards in order, and each
 // shard's pending set in (score, member) order; the cursor is the last
 // position examined, so a page resumes strictly after it and every stale
 // record that does not change during a scan is returned exactly once. A page
 // costs 2 round trips (pipelines) when nothing changes under it; see the
 // package documentation.
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	if err := ctx.Err(); err != nil {
-		return idem.ScanResult{}, fmt.Errorf("redisstore: scan: %w", err)
+		return store.ScanResult{}, fmt.Errorf("redisstore: scan: %w", err)
 	}
 	size := p.PageSize()
 	now := ms(p.Now)
-	var res idem.ScanResult
+	var res store.ScanResult
 	for pos.shard < s.shards {
 		cands, more, err := s.candidates(ctx, pos, now, size-len(res.Records))
 		if err != nil {
-			return idem.ScanResult{}, err
+			return store.ScanResult{}, err
 		}
 		if len(cands) == 0 {
 			break
 		}
 		recs, err := s.fetch(ctx, cands)
 		if err != nil {
-			return idem.ScanResult{}, err
+			return store.ScanResult{}, err
 		}
 		for _, r := range recs {
 			if r != nil && r.Live(p.Now) && r.Stale(p.Now) {
@@ -575,7 +575,7 @@ func (s *Store) candidates(ctx context.Context, pos position, now string, limit 
 
 // fetch reads the records of cands in one pipeline; a record that vanished
 // is nil.
-func (s *Store) fetch(ctx context.Context, cands []position) ([]*idem.Record, error) {
+func (s *Store) fetch(ctx context.Context, cands []position) ([]*store.Record, error) {
 	pipe := s.client.Pipeline()
 	cmds := make([]*redis.MapStringStringCmd, len(cands))
 	for i, c := range cands {
@@ -584,7 +584,7 @@ func (s *Store) fetch(ctx context.Context, cands []position) ([]*idem.Record, er
 	if _, err := pipe.Exec(ctx); err != nil {
 		return nil, translate("scan", err)
 	}
-	recs := make([]*idem.Record, len(cands))
+	recs := make([]*store.Record, len(cands))
 	for i, cmd := range cmds {
 		fields := cmd.Val()
 		if len(fields) == 0 {
@@ -646,7 +646,7 @@ func (s *Store) decodeCursor(c string) (position, error) {
 		return position{}, nil
 	}
 	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("redisstore: scan: %w: cursor %q %s", idem.ErrInvalid, c, why)
+		return position{}, fmt.Errorf("redisstore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(c)
 	if err != nil {
@@ -667,9 +667,9 @@ func (s *Store) decodeCursor(c string) (position, error) {
 	return position{shard: uint32(shard), score: parts[2], member: parts[3]}, nil
 }
 
-// Prune implements [idem.Store]. Redis deletes settled records itself when
+// Prune implements [store.Store]. Redis deletes settled records itself when
 // their TTL (the retention) runs out, so Prune only validates p and reports 0.
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -696,7 +696,7 @@ func fieldValues(v []any) (map[string]string, error) {
 }
 
 // decode makes a record of the fields of its hash.
-func decode(f map[string]string) (idem.Record, error) {
+func decode(f map[string]string) (store.Record, error) {
 	var firstErr error
 	num := func(name string) int64 {
 		n, err := strconv.ParseInt(f[name], 10, 64)
@@ -706,11 +706,11 @@ func decode(f map[string]string) (idem.Record, error) {
 		return n
 	}
 	at := func(name string) time.Time { return time.UnixMilli(num(name)).UTC() }
-	r := idem.Record{
+	r := store.Record{
 		Scope:        f["scope"],
 		Key:          f["key"],
-		State:        idem.State(f["state"]),
-		Fingerprint:  idem.Fingerprint(f["fp"]),
+		State:        store.State(f["state"]),
+		Fingerprint:  store.Fingerprint(f["fp"]),
 		Token:        f["token"],
 		Fence:        num("fence"),
 		LeaseExpires: at("lease"),
@@ -722,34 +722,34 @@ func decode(f map[string]string) (idem.Record, error) {
 		r.Expires = time.UnixMilli(exp).UTC()
 	}
 	if firstErr != nil {
-		return idem.Record{}, firstErr
+		return store.Record{}, firstErr
 	}
 	if !r.State.Valid() {
-		return idem.Record{}, fmt.Errorf("state %q is not a state", f["state"])
+		return store.Record{}, fmt.Errorf("state %q is not a state", f["state"])
 	}
 	if b, ok := f["resp"]; ok {
-		r.Response = new(idem.Response)
+		r.Response = new(store.Response)
 		if err := r.Response.UnmarshalBinary([]byte(b)); err != nil {
-			return idem.Record{}, err
+			return store.Record{}, err
 		}
 	}
 	if b, ok := f["cps"]; ok {
 		var err error
-		if r.Checkpoints, err = idem.DecodeCheckpoints([]byte(b)); err != nil {
-			return idem.Record{}, err
+		if r.Checkpoints, err = store.DecodeCheckpoints([]byte(b)); err != nil {
+			return store.Record{}, err
 		}
 	}
 	return r, nil
 }
 
 // translate turns a driver error into the vocabulary of package idem: a
-// failure to reach Redis or to get its answer wraps [idem.ErrUnavailable]
+// failure to reach Redis or to get its answer wraps [store.ErrUnavailable]
 // (and still the context's error, when that was the cause); an error Redis
 // answered with is wrapped as it is, except the transient ones of a server
 // that is loading, failing over or resharding, which are unavailability too.
 func translate(op string, err error) error {
 	if unavailable(err) {
-		return fmt.Errorf("redisstore: %s: %w: %w", op, idem.ErrUnavailable, err)
+		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("redisstore: %s: %w", op, err)
 }
@@ -777,15 +777,15 @@ func unavailable(err error) bool {
 	return true
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter] from each master's
+// Durability implements [store.DurabilityReporter] from each master's
 // persistence settings (appendonly, appendfsync, save), with the masters'
 // run_ids as the instance: it changes when any of them restarts. Records
 // survive a crash only with appendonly yes and appendfsync always. A
 // failover to a replica that had not yet received the last writes loses
 // them whatever the settings.
-func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	var mu sync.Mutex
 	var details, ids []string
 	safe := true
@@ -808,21 +808,21 @@ func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
 	case *redis.Client:
 		err = check(ctx, c)
 	default:
-		return idem.Durability{Detail: "unknown: the Redis client is neither a client nor a cluster client"}, nil
+		return store.Durability{Detail: "unknown: the Redis client is neither a client nor a cluster client"}, nil
 	}
 	if err != nil {
-		return idem.Durability{}, translate("durability", err)
+		return store.Durability{}, translate("durability", err)
 	}
 	slices.Sort(ids)
 	slices.Sort(details)
-	return idem.Durability{CrashSafe: safe, Detail: strings.Join(slices.Compact(details), "; "), Instance: strings.Join(ids, ",")}, nil
+	return store.Durability{CrashSafe: safe, Detail: strings.Join(slices.Compact(details), "; "), Instance: strings.Join(ids, ",")}, nil
 }
 
 // nodeDurability reads one server's persistence settings and run_id.
-func nodeDurability(ctx context.Context, c *redis.Client) (idem.Durability, string, error) {
+func nodeDurability(ctx context.Context, c *redis.Client) (store.Durability, string, error) {
 	info, err := c.Info(ctx, "persistence", "server").Result()
 	if err != nil {
-		return idem.Durability{}, "", err
+		return store.Durability{}, "", err
 	}
 	fields := map[string]string{}
 	for _, line := range strings.Split(info, "\n") {
@@ -839,7 +839,7 @@ func nodeDurability(ctx context.Context, c *redis.Client) (idem.Durability, stri
 	if v, err := c.ConfigGet(ctx, "save").Result(); err == nil {
 		save = v["save"]
 	}
-	d := idem.Durability{}
+	d := store.Durability{}
 	switch {
 	case aof && fsync == "always":
 		d.CrashSafe = true

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 	"github.com/redis/go-redis/v9"
 )
@@ -312,13 +313,13 @@ func TestTTLAndPendingSet(t *testing.T) {
 
 	// An expired lease turned unknown by a retry keeps its (past) score.
 	crashed := storetest.Acquire(t, s, "s", "crashed", t0, lease)
-	r, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"),
+	r, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || r.State != idem.StateUnknown || r.Token != crashed.Token {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown under the old token", r, err)
 	}
 	checkUnsettled(t, s, client, "crashed", t0.Add(lease))
-	if stored, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "crashed", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, r) {
+	if stored, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "crashed", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, r) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, r)
 	}
 	// Its owner declaring it unknown later does not move it either.
@@ -327,18 +328,18 @@ func TestTTLAndPendingSet(t *testing.T) {
 
 	// A takeover of an expired takeover-safe lease: a new lease, stored, and
 	// the pending score follows it.
-	safe, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
+	safe, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0, LeaseExpires: t0.Add(lease), TakeoverSafe: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	later := t0.Add(2 * lease)
-	taken, err := s.Acquire(context.Background(), idem.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
+	taken, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("d", 32), Now: later, LeaseExpires: later.Add(lease), TakeoverSafe: true})
 	if err != nil || taken.Token == safe.Token || taken.Fence != 2 {
 		t.Fatalf("takeover = %+v, %v", taken, err)
 	}
-	stored, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: "safe", Now: later})
+	stored, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: "safe", Now: later})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -349,7 +350,7 @@ func TestTTLAndPendingSet(t *testing.T) {
 
 	// A renewal moves the score.
 	running := storetest.Acquire(t, s, "s", "running", t0, lease)
-	if err := s.Renew(context.Background(), idem.RenewParams{Scope: "s", Key: "running", Token: running.Token,
+	if err := s.Renew(context.Background(), store.RenewParams{Scope: "s", Key: "running", Token: running.Token,
 		Now: t0.Add(10 * time.Second), LeaseExpires: t0.Add(40 * time.Second)}); err != nil {
 		t.Fatal(err)
 	}
@@ -393,28 +394,28 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 	r := storetest.Acquire(t, s, "s", "k", t0, lease)
 	binary := []byte{0, '\n', 0xff, '"'}
 	for i, name := range []string{"authorize", "capture"} {
-		if err := s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
+		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
 			Now: t0.Add(time.Duration(i+1) * time.Second), Name: name, Data: binary}); err != nil {
 			t.Fatalf("Checkpoint %s: %v", name, err)
 		}
 	}
 	checkUnsettled(t, s, client, "k", t0.Add(lease))
-	stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+	stored, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || names(stored) != "authorize capture" || !stored.Updated.Equal(t0.Add(2*time.Second)) ||
 		!stored.Checkpoints[1].At.Equal(t0.Add(2*time.Second)) || string(stored.Checkpoints[1].Data) != string(binary) {
 		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
 	}
 
-	unknown, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
+	unknown, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
 	}
-	if stored, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, unknown) {
+	if stored, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, unknown) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
 	}
 	storetest.Finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
-	replay, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
+	replay, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || replay.State != idem.StateCompleted || names(replay) != "authorize capture" {
 		t.Fatalf("replay = %+v, %v; want completed with both checkpoints", replay, err)
@@ -498,7 +499,7 @@ func TestRoundTrips(t *testing.T) {
 	var r idem.Record
 	tok := strings.Repeat("a", 32)
 	cost("Acquire of a new key", 1, func() (err error) {
-		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok,
+		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok,
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -506,11 +507,11 @@ func TestRoundTrips(t *testing.T) {
 		t.Fatalf("Acquire did not grant the lease: %+v", r)
 	}
 	cost("Renew", 1, func() error {
-		return s.Renew(ctx, idem.RenewParams{Scope: "s", Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(2 * time.Minute)})
+		return s.Renew(ctx, store.RenewParams{Scope: "s", Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(2 * time.Minute)})
 	})
 	for i := range 2 {
 		cost("Checkpoint "+strconv.Itoa(i+1), 1, func() error {
-			return s.Checkpoint(ctx, idem.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: t0, Name: "step", Data: []byte("x")})
+			return s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: t0, Name: "step", Data: []byte("x")})
 		})
 	}
 	resp := &idem.Response{Status: 201, Body: []byte("ok")}
@@ -519,7 +520,7 @@ func TestRoundTrips(t *testing.T) {
 			Response: resp, Expires: t0.Add(time.Hour)})
 	})
 	cost("Acquire that replays", 1, func() (err error) {
-		r, err = s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
+		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -527,7 +528,7 @@ func TestRoundTrips(t *testing.T) {
 		t.Fatalf("replay returned %+v", r)
 	}
 	cost("Get", 1, func() error {
-		_, err := s.Get(ctx, idem.GetParams{Scope: "s", Key: "k", Now: t0})
+		_, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 		return err
 	})
 	for i := range 20 {
@@ -536,7 +537,7 @@ func TestRoundTrips(t *testing.T) {
 		storetest.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: not read
 	}
 	cost("Scan page", 2, func() error {
-		res, err := s.Scan(ctx, idem.ScanParams{Now: t0, Limit: 20})
+		res, err := s.Scan(ctx, store.ScanParams{Now: t0, Limit: 20})
 		if err == nil && (len(res.Records) != 20 || res.Cursor != "") {
 			err = fmt.Errorf("got %d records, cursor %q; want the 20 unknown ones", len(res.Records), res.Cursor)
 		}
@@ -570,7 +571,7 @@ func TestScanWhileSettling(t *testing.T) {
 		if pages > n {
 			t.Fatal("scan does not end")
 		}
-		res, err := s.Scan(context.Background(), idem.ScanParams{Now: now, Limit: 7, Cursor: cursor})
+		res, err := s.Scan(context.Background(), store.ScanParams{Now: now, Limit: 7, Cursor: cursor})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -592,13 +593,13 @@ func TestScanWhileSettling(t *testing.T) {
 	}
 	settled := 0
 	for key := range want {
-		if r, err := s.Get(context.Background(), idem.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
+		if r, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
 			t.Fatal(err)
 		} else if r.State == idem.StateFailed {
 			settled++
 		}
 	}
-	res, err := s.Scan(context.Background(), idem.ScanParams{Now: now})
+	res, err := s.Scan(context.Background(), store.ScanParams{Now: now})
 	if err != nil || len(res.Records) != n-settled {
 		t.Fatalf("a fresh scan found %d records, %v; want the %d left unsettled", len(res.Records), err, n-settled)
 	}
@@ -619,7 +620,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	res, err := s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute), Limit: 3})
+	res, err := s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute), Limit: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -630,7 +631,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	if strings.Join(keys, ",") != "k0,k3,k4" || res.Cursor == "" {
 		t.Fatalf("page = %v, cursor %q; want k0,k3,k4 and more to come", keys, res.Cursor)
 	}
-	res, err = s.Scan(context.Background(), idem.ScanParams{Now: t0.Add(time.Minute), Limit: 3, Cursor: res.Cursor})
+	res, err = s.Scan(context.Background(), store.ScanParams{Now: t0.Add(time.Minute), Limit: 3, Cursor: res.Cursor})
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "k5" || res.Cursor != "" {
 		t.Fatalf("second page = %+v, %v; want k5 alone, and the end", res, err)
 	}
@@ -649,7 +650,7 @@ func TestScanRejectsForeignCursor(t *testing.T) {
 		s.encodeCursor(position{shard: 1, score: "NaN", member: s.tags[1] + ":1:s:k"}),
 		s.encodeCursor(position{shard: 1, score: "1", member: s.tags[2] + ":1:s:k"}),
 		other.encodeCursor(position{shard: 7, score: "1", member: other.tags[7] + ":1:s:k"})} {
-		if _, err := s.Scan(context.Background(), idem.ScanParams{Now: t0, Cursor: c}); !errors.Is(err, idem.ErrInvalid) {
+		if _, err := s.Scan(context.Background(), store.ScanParams{Now: t0, Cursor: c}); !errors.Is(err, idem.ErrInvalid) {
 			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", c, err)
 		}
 	}
@@ -677,7 +678,7 @@ func TestUnreachableServer(t *testing.T) {
 	}
 	ctx := context.Background()
 	tok := strings.Repeat("a", 32)
-	_, err = s.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
+	_, err = s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Acquire: err = %v, want ErrUnavailable", err)
 	}
@@ -685,11 +686,11 @@ func TestUnreachableServer(t *testing.T) {
 		t.Errorf("error %q does not say which operation failed", err)
 	}
 	errs := map[string]error{
-		"Renew":  s.Renew(ctx, idem.RenewParams{Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)}),
+		"Renew":  s.Renew(ctx, store.RenewParams{Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)}),
 		"Finish": s.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)}),
 	}
-	_, errs["Get"] = s.Get(ctx, idem.GetParams{Key: "k", Now: t0})
-	_, errs["Scan"] = s.Scan(ctx, idem.ScanParams{Now: t0})
+	_, errs["Get"] = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
+	_, errs["Scan"] = s.Scan(ctx, store.ScanParams{Now: t0})
 	for name, err := range errs {
 		if !errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%s: err = %v, want ErrUnavailable", name, err)
@@ -697,7 +698,7 @@ func TestUnreachableServer(t *testing.T) {
 	}
 	// A closed client is unavailable too.
 	client.Close()
-	_, err = s.Get(ctx, idem.GetParams{Key: "k", Now: t0})
+	_, err = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Errorf("Get on a closed client: err = %v, want ErrUnavailable", err)
 	}
@@ -744,10 +745,10 @@ func TestPrune(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := s.Prune(context.Background(), idem.PruneParams{Now: t0}); n != 0 || err != nil {
+	if n, err := s.Prune(context.Background(), store.PruneParams{Now: t0}); n != 0 || err != nil {
 		t.Fatalf("Prune = %d, %v; want 0, nil (Redis expires records itself)", n, err)
 	}
-	if _, err := s.Prune(context.Background(), idem.PruneParams{}); !errors.Is(err, idem.ErrInvalid) {
+	if _, err := s.Prune(context.Background(), store.PruneParams{}); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("Prune without a time: %v, want ErrInvalid", err)
 	}
 }

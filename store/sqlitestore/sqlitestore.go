@@ -1,4 +1,4 @@
-// Package sqlitestore is an [idem.Store] in a SQLite file: idem's embedded
+// Package sqlitestore is an [store.Store] in a SQLite file: idem's embedded
 // default. It needs no server and no set-up, it is pure Go (modernc.org/sqlite,
 // no cgo), and it is durable: a record written is on disk when the call
 // returns (WAL journal, synchronous=FULL), so it survives a crash or restart of
@@ -30,7 +30,7 @@
 // # Atomicity
 //
 // Acquire, renew and finish each run as a BEGIN IMMEDIATE transaction: read
-// the row, apply the root package's transition ([idem.AcquireParams.Apply],
+// the row, apply the root package's transition ([store.AcquireParams.Apply],
 // ...) and write it back, holding SQLite's write lock throughout. An acquire
 // that needs no write (a replay, a lease still running) is answered from a
 // plain read first, without the lock.
@@ -56,12 +56,12 @@ import (
 	"sync"
 	"time"
 
-	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"modernc.org/sqlite"
 	sqlite3 "modernc.org/sqlite/lib"
 )
 
-var _ idem.Store = (*Store)(nil)
+var _ store.Store = (*Store)(nil)
 
 // DefaultBusyTimeout is how long a writer waits for another process's write
 // lock when [Config.BusyTimeout] is zero.
@@ -72,7 +72,7 @@ type Config struct {
 	// Path is the database file, created if missing. Required.
 	Path string
 	// BusyTimeout is how long a write waits for another process holding the
-	// write lock before failing with [idem.ErrUnavailable]. Defaults to
+	// write lock before failing with [store.ErrUnavailable]. Defaults to
 	// [DefaultBusyTimeout].
 	BusyTimeout time.Duration
 }
@@ -90,7 +90,7 @@ var migrations embed.FS
 // embedded migrations.
 func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Path == "" {
-		return nil, fmt.Errorf("%w: sqlitestore: no path", idem.ErrInvalid)
+		return nil, fmt.Errorf("%w: sqlitestore: no path", store.ErrInvalid)
 	}
 	busy := cfg.BusyTimeout
 	if busy == 0 {
@@ -153,24 +153,24 @@ func (s *Store) migrate(ctx context.Context) error {
 
 const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
 
-// Acquire implements [idem.Store].
-func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+// Acquire implements [store.Store].
+func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	// A replay, a running lease or an unknown record needs no write: answer
 	// from a plain read, which takes no lock. Anything else is decided again
 	// under the write lock below.
 	existing, err := get(ctx, s.db, p.Scope, p.Key)
 	if err != nil {
-		return idem.Record{}, translate("acquire", err)
+		return store.Record{}, translate("acquire", err)
 	}
 	if existing != nil {
 		if next, write := p.Apply(existing); !write {
 			return next, nil
 		}
 	}
-	var next idem.Record
+	var next store.Record
 	err = s.write(ctx, "acquire", func(tx *sql.Tx) error {
 		existing, err := get(ctx, tx, p.Scope, p.Key)
 		if err != nil {
@@ -186,24 +186,24 @@ func (s *Store) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record,
 	return next, err
 }
 
-// Renew implements [idem.Store].
-func (s *Store) Renew(ctx context.Context, p idem.RenewParams) error {
+// Renew implements [store.Store].
+func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	return s.update(ctx, nil, "renew", p.Scope, p.Key, p.Apply)
 }
 
-// Checkpoint implements [idem.Store].
-func (s *Store) Checkpoint(ctx context.Context, p idem.CheckpointParams) error {
+// Checkpoint implements [store.Store].
+func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	return s.update(ctx, nil, "checkpoint", p.Scope, p.Key, p.Apply)
 }
 
-// Finish implements [idem.Store].
-func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
+// Finish implements [store.Store].
+func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -212,20 +212,20 @@ func (s *Store) Finish(ctx context.Context, p idem.FinishParams) error {
 
 // FinishTx settles a record inside the caller's transaction tx, which must be
 // on [Store.DB]: the record's outcome and the caller's own writes commit
-// together, or neither does. On [idem.ErrLeaseLost] the caller must roll tx
+// together, or neither does. On [store.ErrLeaseLost] the caller must roll tx
 // back, since another owner has the record.
 //
 //	tx, _ := store.DB().BeginTx(ctx, nil)
 //	defer tx.Rollback()
 //	tx.ExecContext(ctx, `INSERT INTO ledger ...`)
-//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
-//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//	return eng.Settle(ctx, lease, store.Settlement{State: store.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p store.FinishParams) error {
 //			if err := store.FinishTx(ctx, tx, p); err != nil {
 //				return err // rolled back: nothing happened
 //			}
 //			return tx.Commit()
 //		}})
-func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p idem.FinishParams) error {
+func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -235,7 +235,7 @@ func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p idem.FinishParams) e
 
 // update reads the record, applies a transition and writes it back, in tx
 // when given, else in a write transaction of its own.
-func (s *Store) update(ctx context.Context, tx *sql.Tx, op, scope, key string, apply func(*idem.Record) error) error {
+func (s *Store) update(ctx context.Context, tx *sql.Tx, op, scope, key string, apply func(*store.Record) error) error {
 	fn := func(tx *sql.Tx) error {
 		r, err := get(ctx, tx, scope, key)
 		if err != nil {
@@ -267,30 +267,30 @@ func (s *Store) write(ctx context.Context, op string, fn func(*sql.Tx) error) er
 	return translate(op, tx.Commit())
 }
 
-// Get implements [idem.Store].
-func (s *Store) Get(ctx context.Context, p idem.GetParams) (idem.Record, error) {
+// Get implements [store.Store].
+func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
 	if err := p.Validate(); err != nil {
-		return idem.Record{}, err
+		return store.Record{}, err
 	}
 	r, err := get(ctx, s.db, p.Scope, p.Key)
 	if err != nil {
-		return idem.Record{}, translate("get", err)
+		return store.Record{}, translate("get", err)
 	}
 	if r == nil || !r.Live(p.Now) {
-		return idem.Record{}, idem.ErrNotFound
+		return store.Record{}, store.ErrNotFound
 	}
 	return *r, nil
 }
 
-// Scan implements [idem.Store]. Pages are in scope and key order; the cursor
+// Scan implements [store.Store]. Pages are in scope and key order; the cursor
 // is the last scope and key returned.
-func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, error) {
+func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	scope, key, err := decodeCursor(p.Cursor)
 	if err != nil {
-		return idem.ScanResult{}, err
+		return store.ScanResult{}, err
 	}
 	now := p.Now.UnixNano()
 	rows, err := s.db.QueryContext(ctx, `SELECT `+columns+` FROM idem_records
@@ -298,14 +298,14 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 		AND (scope > ? OR (scope = ? AND key > ?))
 		ORDER BY scope, key LIMIT ?`, now, scope, scope, key, p.PageSize()+1)
 	if err != nil {
-		return idem.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate("scan", err)
 	}
 	defer rows.Close()
-	var res idem.ScanResult
+	var res store.ScanResult
 	for rows.Next() {
 		r, err := scanRecord(rows)
 		if err != nil {
-			return idem.ScanResult{}, translate("scan", err)
+			return store.ScanResult{}, translate("scan", err)
 		}
 		if len(res.Records) == p.PageSize() {
 			last := res.Records[len(res.Records)-1]
@@ -317,8 +317,8 @@ func (s *Store) Scan(ctx context.Context, p idem.ScanParams) (idem.ScanResult, e
 	return res, translate("scan", rows.Err())
 }
 
-// Prune implements [idem.Store].
-func (s *Store) Prune(ctx context.Context, p idem.PruneParams) (int, error) {
+// Prune implements [store.Store].
+func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := p.Validate(); err != nil {
 		return 0, err
 	}
@@ -342,7 +342,7 @@ type querier interface {
 }
 
 // get returns the stored row, or nil when there is none.
-func get(ctx context.Context, q querier, scope, key string) (*idem.Record, error) {
+func get(ctx context.Context, q querier, scope, key string) (*store.Record, error) {
 	r, err := scanRecord(q.QueryRowContext(ctx, `SELECT `+columns+` FROM idem_records WHERE scope = ? AND key = ?`, scope, key))
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, nil
@@ -352,7 +352,7 @@ func get(ctx context.Context, q querier, scope, key string) (*idem.Record, error
 
 // put writes r: an INSERT when there was no row (exists false), else an
 // UPDATE in place, which writes fewer pages than a delete and insert.
-func put(ctx context.Context, tx *sql.Tx, r *idem.Record, exists bool) error {
+func put(ctx context.Context, tx *sql.Tx, r *store.Record, exists bool) error {
 	var resp []byte
 	if r.Response != nil {
 		var err error
@@ -365,7 +365,7 @@ func put(ctx context.Context, tx *sql.Tx, r *idem.Record, exists bool) error {
 		expires = r.Expires.UnixNano()
 	}
 	args := []any{string(r.State), string(r.Fingerprint), r.Token, r.Fence, r.LeaseExpires.UnixNano(),
-		r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires, idem.EncodeCheckpoints(r.Checkpoints), r.Scope, r.Key}
+		r.TakeoverSafe, resp, r.Created.UnixNano(), r.Updated.UnixNano(), expires, store.EncodeCheckpoints(r.Checkpoints), r.Scope, r.Key}
 	query := `UPDATE idem_records SET state = ?, fingerprint = ?, token = ?, fence = ?, lease_expires = ?,
 		takeover_safe = ?, response = ?, created = ?, updated = ?, expires = ?, checkpoints = ? WHERE scope = ? AND key = ?`
 	if !exists {
@@ -376,9 +376,9 @@ func put(ctx context.Context, tx *sql.Tx, r *idem.Record, exists bool) error {
 	return err
 }
 
-func scanRecord(row interface{ Scan(...any) error }) (*idem.Record, error) {
+func scanRecord(row interface{ Scan(...any) error }) (*store.Record, error) {
 	var (
-		r                       idem.Record
+		r                       store.Record
 		state, fingerprint      string
 		lease, created, updated int64
 		expires                 sql.NullInt64
@@ -388,16 +388,16 @@ func scanRecord(row interface{ Scan(...any) error }) (*idem.Record, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.State, r.Fingerprint = idem.State(state), idem.Fingerprint(fingerprint)
+	r.State, r.Fingerprint = store.State(state), store.Fingerprint(fingerprint)
 	r.LeaseExpires, r.Created, r.Updated = time.Unix(0, lease), time.Unix(0, created), time.Unix(0, updated)
 	if expires.Valid {
 		r.Expires = time.Unix(0, expires.Int64)
 	}
-	if r.Checkpoints, err = idem.DecodeCheckpoints(checkpoints); err != nil {
+	if r.Checkpoints, err = store.DecodeCheckpoints(checkpoints); err != nil {
 		return nil, err
 	}
 	if resp != nil {
-		r.Response = new(idem.Response)
+		r.Response = new(store.Response)
 		if err := r.Response.UnmarshalBinary(resp); err != nil {
 			return nil, err
 		}
@@ -416,7 +416,7 @@ func decodeCursor(c string) (scope, key string, err error) {
 	n, rest, ok := strings.Cut(c, ":")
 	l, err := strconv.Atoi(n)
 	if !ok || err != nil || l < 0 || l > len(rest) {
-		return "", "", fmt.Errorf("%w: sqlitestore: malformed scan cursor", idem.ErrInvalid)
+		return "", "", fmt.Errorf("%w: sqlitestore: malformed scan cursor", store.ErrInvalid)
 	}
 	return rest[:l], rest[l:], nil
 }
@@ -425,8 +425,8 @@ func decodeCursor(c string) (scope, key string, err error) {
 // stays locked or busy, cannot be opened or read is unavailable; the root's
 // sentinels and context errors pass through.
 func translate(op string, err error) error {
-	if err == nil || errors.Is(err, idem.ErrLeaseLost) || errors.Is(err, idem.ErrNotFound) ||
-		errors.Is(err, idem.ErrInvalid) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if err == nil || errors.Is(err, store.ErrLeaseLost) || errors.Is(err, store.ErrNotFound) ||
+		errors.Is(err, store.ErrInvalid) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
 	var se *sqlite.Error
@@ -434,31 +434,31 @@ func translate(op string, err error) error {
 		switch se.Code() & 0xff {
 		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR,
 			sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT:
-			return fmt.Errorf("sqlitestore: %s: %w: %w", op, idem.ErrUnavailable, err)
+			return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 		}
 	}
 	if errors.Is(err, sql.ErrConnDone) || strings.Contains(err.Error(), "database is closed") {
-		return fmt.Errorf("sqlitestore: %s: %w: %w", op, idem.ErrUnavailable, err)
+		return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("sqlitestore: %s: %w", op, err)
 }
 
-var _ idem.DurabilityReporter = (*Store)(nil)
+var _ store.DurabilityReporter = (*Store)(nil)
 
-// Durability implements [idem.DurabilityReporter] from the database's
+// Durability implements [store.DurabilityReporter] from the database's
 // journal mode and synchronous setting: with WAL and synchronous=FULL (what
 // [Open] sets), a write is on disk before the call returns.
-func (s *Store) Durability(ctx context.Context) (idem.Durability, error) {
+func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	var mode string
 	var sync int
 	if err := s.db.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
-		return idem.Durability{}, translate("durability", err)
+		return store.Durability{}, translate("durability", err)
 	}
 	if err := s.db.QueryRowContext(ctx, "PRAGMA synchronous").Scan(&sync); err != nil {
-		return idem.Durability{}, translate("durability", err)
+		return store.Durability{}, translate("durability", err)
 	}
 	names := map[int]string{0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
-	d := idem.Durability{Detail: fmt.Sprintf("journal_mode=%s, synchronous=%s", mode, names[sync])}
+	d := store.Durability{Detail: fmt.Sprintf("journal_mode=%s, synchronous=%s", mode, names[sync])}
 	switch {
 	case sync >= 2 || (sync == 1 && mode != "wal"):
 		d.CrashSafe = true

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/sqlitestore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -172,7 +173,7 @@ func TestPruneDeletesRows(t *testing.T) {
 		}
 	}
 	clock.Advance(idem.DefaultRetention)
-	if n, err := s.Prune(ctx, idem.PruneParams{Now: clock.Now(), Limit: 2}); err != nil || n != 2 {
+	if n, err := s.Prune(ctx, store.PruneParams{Now: clock.Now(), Limit: 2}); err != nil || n != 2 {
 		t.Fatalf("Prune with limit 2 = %d, %v", n, err)
 	}
 	if n, err := e.Prune(ctx, idem.PruneOptions{}); err != nil || n != 1 {

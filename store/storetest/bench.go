@@ -7,28 +7,31 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
-// BenchResponse is the outcome every store's benchmarks store, raw ones
+// BenchResponse returns the outcome every store's benchmarks store, raw ones
 // included: a small JSON charge, so that their figures compare.
-var BenchResponse = &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
-	Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
+func BenchResponse() *idem.Response {
+	return &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
+}
 
 // BenchAcquireComplete times what a request that runs costs a store: an
-// Acquire of a new key, then a Finish as COMPLETED with BenchResponse. When
+// Acquire of a new key, then a Finish as COMPLETED with BenchResponse(). When
 // roundTrips is not nil it reads the store's count of round trips so far, and
 // the benchmark reports roundtrips/op. It also reports ops/s.
 func BenchAcquireComplete(b *testing.B, s idem.Store, roundTrips func() int64) {
 	f := Fingerprint("bench")
 	Measure(b, roundTrips, func(i int) {
 		now, key, tok := time.Now(), "key-"+strconv.Itoa(i), token(b)
-		r, err := s.Acquire(ctx, idem.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
+		r, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: key, Fingerprint: f, Token: tok,
 			Now: now, LeaseExpires: now.Add(idem.DefaultLease)})
 		if err != nil || r.Token != tok {
 			b.Fatalf("Acquire = %+v, %v", r, err)
 		}
 		if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tok, Now: now,
-			State: idem.StateCompleted, Response: BenchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+			State: idem.StateCompleted, Response: BenchResponse(), Expires: now.Add(idem.DefaultRetention)}); err != nil {
 			b.Fatal(err)
 		}
 	})
@@ -38,12 +41,12 @@ func BenchAcquireComplete(b *testing.B, s idem.Store, roundTrips func() int64) {
 // completed key. roundTrips is as for [BenchAcquireComplete].
 func BenchReplay(b *testing.B, s idem.Store, roundTrips func() int64) {
 	now := time.Now()
-	p := idem.AcquireParams{Scope: "s", Key: "key", Fingerprint: Fingerprint("bench"), Token: token(b), Now: now, LeaseExpires: now.Add(idem.DefaultLease)}
+	p := store.AcquireParams{Scope: "s", Key: "key", Fingerprint: Fingerprint("bench"), Token: token(b), Now: now, LeaseExpires: now.Add(idem.DefaultLease)}
 	if _, err := s.Acquire(ctx, p); err != nil {
 		b.Fatal(err)
 	}
 	if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "key", Token: p.Token, Now: now,
-		State: idem.StateCompleted, Response: BenchResponse, Expires: now.Add(idem.DefaultRetention)}); err != nil {
+		State: idem.StateCompleted, Response: BenchResponse(), Expires: now.Add(idem.DefaultRetention)}); err != nil {
 		b.Fatal(err)
 	}
 	Measure(b, roundTrips, func(int) {
@@ -77,7 +80,7 @@ func Measure(b *testing.B, roundTrips func() int64, op func(i int)) {
 }
 
 func token(b *testing.B) string {
-	t, err := idem.NewToken()
+	t, err := store.NewToken()
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // Fingerprint is the fingerprint of a POST /v1/charges with body, for
@@ -17,11 +18,11 @@ func Fingerprint(body string) idem.Fingerprint {
 // test unless the lease is granted, and returns the record.
 func Acquire(t *testing.T, s idem.Store, scope, key string, now time.Time, lease time.Duration) idem.Record {
 	t.Helper()
-	tok, err := idem.NewToken()
+	tok, err := store.NewToken()
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := s.Acquire(ctx, idem.AcquireParams{Scope: scope, Key: key, Fingerprint: Fingerprint("a"),
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: scope, Key: key, Fingerprint: Fingerprint("a"),
 		Token: tok, Now: now, LeaseExpires: now.Add(lease)})
 	if err != nil {
 		t.Fatalf("Acquire(%q, %q): %v", scope, key, err)

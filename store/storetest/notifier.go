@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 )
 
 // notifyWait bounds every wait for a notification: a signal wait that fails
@@ -163,7 +164,7 @@ type acquireSignal struct {
 	acquired chan idem.Record
 }
 
-func (s *acquireSignal) Acquire(ctx context.Context, p idem.AcquireParams) (idem.Record, error) {
+func (s *acquireSignal) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
 	r, err := s.Store.Acquire(ctx, p)
 	s.acquired <- r
 	return r, err

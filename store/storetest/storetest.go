@@ -25,6 +25,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 )
 
 // Racers is how many goroutines race for one key in the concurrency cases.
@@ -445,7 +446,7 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 		return p
 	}
 	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204}}
-	if limit := idem.MaxBody(h.store); limit < 8<<20 {
+	if limit := store.MaxBody(h.store); limit < 8<<20 {
 		bodies["over the store's limit"] = &idem.Response{Status: 201, Body: bytes.Repeat([]byte("x"), limit+1)}
 	}
 	for name, resp := range bodies {
@@ -467,7 +468,7 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 			if r.State != idem.StateCompleted || r.Token != l.Token {
 				t.Fatalf("record after the repeats = %+v", r)
 			}
-			if r.Response.BodyOmitted != (len(resp.Body) > idem.MaxBody(h.store)) || r.Response.Status != resp.Status {
+			if r.Response.BodyOmitted != (len(resp.Body) > store.MaxBody(h.store)) || r.Response.Status != resp.Status {
 				t.Fatalf("response after the repeats: status %d, body omitted %v", r.Response.Status, r.Response.BodyOmitted)
 			}
 		})
@@ -598,7 +599,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 	}
 	// A store with a body limit keeps bodies up to it byte for byte, and
 	// an outcome with a larger body with the body omitted, never an error.
-	limit := idem.MaxBody(h.store)
+	limit := store.MaxBody(h.store)
 	if limit < len(large) {
 		cases = append(cases, &idem.Response{Status: 201, Header: http.Header{"X-At-Limit": {"yes"}}, Body: bytes.Repeat([]byte("L"), limit)})
 	}
@@ -713,7 +714,7 @@ func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 
 	total := 0
 	for {
-		n, err := h.store.Prune(ctx, idem.PruneParams{Now: h.clock.Now(), Limit: 2})
+		n, err := h.store.Prune(ctx, store.PruneParams{Now: h.clock.Now(), Limit: 2})
 		if err != nil {
 			t.Fatalf("Prune: %v", err)
 		}
@@ -861,22 +862,22 @@ func testInvalidInput(t *testing.T, h *harness) {
 		_, err := h.eng.Begin(ctx, p)
 		wantErr(t, "Begin with "+name, err, idem.ErrInvalid)
 	}
-	store := map[string]error{}
-	_, store["Acquire without token"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Now: now, LeaseExpires: now.Add(lease)})
-	_, store["Acquire with a lease already over"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now})
-	_, store["Acquire without a time"] = h.store.Acquire(ctx, idem.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, LeaseExpires: now.Add(lease)})
-	store["Renew without token"] = h.store.Renew(ctx, idem.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
-	store["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
-	store["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
-	store["Finish with an omitted body and a body"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 200, Body: []byte("x"), BodyOmitted: true}, Expires: now.Add(time.Hour)})
-	store["Finish as in progress"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateInProgress})
-	store["Finish failed with a response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateFailed, Response: okResponse("x"), Expires: now.Add(time.Hour)})
-	store["Finish completed without expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: okResponse("x")})
-	store["Finish unknown with expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateUnknown, Expires: now.Add(time.Hour)})
-	_, store["Get with empty key"] = h.store.Get(ctx, idem.GetParams{Now: now})
-	_, store["Scan with negative limit"] = h.store.Scan(ctx, idem.ScanParams{Now: now, Limit: -1})
-	_, store["Prune without a time"] = h.store.Prune(ctx, idem.PruneParams{})
-	for name, err := range store {
+	errs := map[string]error{}
+	_, errs["Acquire without token"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Now: now, LeaseExpires: now.Add(lease)})
+	_, errs["Acquire with a lease already over"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now})
+	_, errs["Acquire without a time"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, LeaseExpires: now.Add(lease)})
+	errs["Renew without token"] = h.store.Renew(ctx, store.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
+	errs["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
+	errs["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
+	errs["Finish with an omitted body and a body"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 200, Body: []byte("x"), BodyOmitted: true}, Expires: now.Add(time.Hour)})
+	errs["Finish as in progress"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateInProgress})
+	errs["Finish failed with a response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateFailed, Response: okResponse("x"), Expires: now.Add(time.Hour)})
+	errs["Finish completed without expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: okResponse("x")})
+	errs["Finish unknown with expiry"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateUnknown, Expires: now.Add(time.Hour)})
+	_, errs["Get with empty key"] = h.store.Get(ctx, store.GetParams{Now: now})
+	_, errs["Scan with negative limit"] = h.store.Scan(ctx, store.ScanParams{Now: now, Limit: -1})
+	_, errs["Prune without a time"] = h.store.Prune(ctx, store.PruneParams{})
+	for name, err := range errs {
 		wantErr(t, name, err, idem.ErrInvalid)
 	}
 	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", Fingerprint("a")), nil); !errors.Is(err, idem.ErrInvalid) {
@@ -1025,13 +1026,13 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 		data []byte
 	}{
 		"empty name":    {"", nil},
-		"long name":     {strings.Repeat("n", idem.MaxCheckpointName+1), nil},
+		"long name":     {strings.Repeat("n", store.MaxCheckpointName+1), nil},
 		"name with tab": {"a\tb", nil},
-		"too much data": {"x", make([]byte, idem.MaxCheckpointData+1)},
+		"too much data": {"x", make([]byte, store.MaxCheckpointData+1)},
 	} {
 		wantErr(t, "Checkpoint with "+name, h.eng.Checkpoint(ctx, l, c.name, c.data), idem.ErrInvalid)
 	}
-	if err := h.eng.Checkpoint(ctx, l, strings.Repeat("n", idem.MaxCheckpointName), make([]byte, idem.MaxCheckpointData)); err != nil {
+	if err := h.eng.Checkpoint(ctx, l, strings.Repeat("n", store.MaxCheckpointName), make([]byte, store.MaxCheckpointData)); err != nil {
 		t.Fatalf("Checkpoint at the limits: %v", err)
 	}
 	h.clock.Advance(lease) // exactly at expiry: too late
@@ -1048,9 +1049,9 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 // testDurabilityReported: every store says what a crash of its server would
 // cost, and names the same server run twice in a row.
 func testDurabilityReported(t *testing.T, h *harness) {
-	r, ok := h.store.(idem.DurabilityReporter)
+	r, ok := h.store.(store.DurabilityReporter)
 	if !ok {
-		t.Fatalf("%T does not implement idem.DurabilityReporter", h.store)
+		t.Fatalf("%T does not implement store.DurabilityReporter", h.store)
 	}
 	first, err := r.Durability(ctx)
 	if err != nil {
