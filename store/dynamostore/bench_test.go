@@ -12,6 +12,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -86,11 +87,11 @@ func BenchmarkRawPutUpdate(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := storetest.BenchResponse().MarshalBinary()
+	resp, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
-	storetest.Measure(b, x.counter.n.Load, func(i int) {
+	testkit.Measure(b, x.counter.n.Load, func(i int) {
 		now, tok := time.Now(), newToken(b)
 		pk := "1:s:key-" + strconv.Itoa(i)
 		if _, err := client.PutItem(ctx, &dynamodb.PutItemInput{
@@ -119,7 +120,7 @@ func BenchmarkRawGet(b *testing.B) {
 	x := newBench(b)
 	client := x.store.client
 	table := newBareTable(b, client)
-	resp, err := storetest.BenchResponse().MarshalBinary()
+	resp, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -127,7 +128,7 @@ func BenchmarkRawGet(b *testing.B) {
 		Item: map[string]types.AttributeValue{"pk": avS("1:s:key"), "state": avS("completed"), "resp": avB(resp)}}); err != nil {
 		b.Fatal(err)
 	}
-	storetest.Measure(b, x.counter.n.Load, func(int) {
+	testkit.Measure(b, x.counter.n.Load, func(int) {
 		out, err := client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &table, Key: keyOf("1:s:key"), ConsistentRead: aws.Bool(true)})
 		if err != nil || out.Item == nil {
 			b.Fatalf("GetItem = %v, %v", out, err)

@@ -3,7 +3,6 @@ package dynamostore
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -546,54 +545,51 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	return res, nil
 }
 
-// cursorVersion begins every cursor, so the encoding can change.
-const cursorVersion = "1"
+// owner names this store in its cursors: its table and number of shards.
+func (s *Store) owner() string {
+	return "dynamostore:" + s.table + ":" + strconv.FormatUint(uint64(s.shards), 10)
+}
 
-// encodeCursor encodes a position as "1:<shard>:<score>:<pk>", in base64.
+// encodeCursor encodes a position: its shard and, within it, the index's
+// last evaluated score and key (empty at the shard's start).
 func (s *Store) encodeCursor(pos position) (string, error) {
-	raw := cursorVersion + ":" + strconv.FormatUint(uint64(pos.shard), 10)
+	score, pk := "", ""
 	if pos.last != nil {
-		score, ok1 := pos.last[attrStaleAt].(*types.AttributeValueMemberN)
-		pk, ok2 := pos.last[attrPK].(*types.AttributeValueMemberS)
+		n, ok1 := pos.last[attrStaleAt].(*types.AttributeValueMemberN)
+		k, ok2 := pos.last[attrPK].(*types.AttributeValueMemberS)
 		if !ok1 || !ok2 {
 			return "", fmt.Errorf("dynamostore: scan: the index's LastEvaluatedKey has no %s and %s", attrStaleAt, attrPK)
 		}
-		raw += ":" + score.Value + ":" + pk.Value
+		score, pk = n.Value, k.Value
 	}
-	return base64.RawURLEncoding.EncodeToString([]byte(raw)), nil
+	return store.EncodeCursor(s.owner(), strconv.FormatUint(uint64(pos.shard), 10), score, pk), nil
 }
 
 func (s *Store) decodeCursor(c string) (position, error) {
 	if c == "" {
 		return position{}, nil
 	}
-	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("dynamostore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
-	}
-	raw, err := base64.RawURLEncoding.DecodeString(c)
+	f, err := store.DecodeCursor(c, s.owner(), 3)
 	if err != nil {
-		return bad("is not a cursor of this store")
+		return position{}, fmt.Errorf("dynamostore: scan: %w", err)
 	}
-	parts := strings.SplitN(string(raw), ":", 4)
-	if (len(parts) != 2 && len(parts) != 4) || parts[0] != cursorVersion {
-		return bad("is not a cursor of this store")
-	}
-	shard, err := strconv.ParseUint(parts[1], 10, 32)
+	bad := fmt.Errorf("dynamostore: scan: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	shard, err := strconv.ParseUint(f[0], 10, 32)
 	if err != nil || shard >= uint64(s.shards) {
-		return bad("names a shard this store does not have")
+		return position{}, bad
 	}
 	pos := position{shard: uint32(shard)}
-	if len(parts) == 4 {
-		if _, err := strconv.ParseInt(parts[2], 10, 64); err != nil {
-			return bad("is not a cursor of this store")
+	if f[1] != "" || f[2] != "" {
+		if _, err := strconv.ParseInt(f[1], 10, 64); err != nil {
+			return position{}, bad
 		}
-		if _, _, err := parsePK(parts[3]); err != nil {
-			return bad("is not a cursor of this store")
+		if _, _, err := parsePK(f[2]); err != nil {
+			return position{}, bad
 		}
 		pos.last = map[string]types.AttributeValue{
-			attrShard:   avS(parts[1]),
-			attrStaleAt: &types.AttributeValueMemberN{Value: parts[2]},
-			attrPK:      avS(parts[3]),
+			attrShard:   avS(f[0]),
+			attrStaleAt: &types.AttributeValueMemberN{Value: f[1]},
+			attrPK:      avS(f[2]),
 		}
 	}
 	return pos, nil

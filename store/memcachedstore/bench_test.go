@@ -7,6 +7,7 @@ import (
 
 	"github.com/bradfitz/gomemcache/memcache"
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -48,7 +49,7 @@ func BenchmarkReplay(b *testing.B) {
 func BenchmarkRawAddSet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := storetest.BenchResponse().MarshalBinary()
+	value, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -60,7 +61,7 @@ func BenchmarkRawAddSet(b *testing.B) {
 		}
 	})
 	exp := int32(idem.DefaultRetention / time.Second)
-	storetest.Measure(b, cnt.n.Load, func(i int) {
+	testkit.Measure(b, cnt.n.Load, func(i int) {
 		key := base + strconv.Itoa(i)
 		written = i + 1
 		if err := client.Add(&memcache.Item{Key: key, Value: []byte("in_progress")}); err != nil {
@@ -76,7 +77,7 @@ func BenchmarkRawAddSet(b *testing.B) {
 func BenchmarkRawGet(b *testing.B) {
 	client, cnt := countingClient(b)
 	s := newTestStore(b, client, Config{})
-	value, err := storetest.BenchResponse().MarshalBinary()
+	value, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -85,7 +86,7 @@ func BenchmarkRawGet(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { _ = client.Delete(key) })
-	storetest.Measure(b, cnt.n.Load, func(int) {
+	testkit.Measure(b, cnt.n.Load, func(int) {
 		it, err := client.Get(key)
 		if err != nil || len(it.Value) != len(value) {
 			b.Fatalf("get: %v", err)

@@ -217,36 +217,35 @@ type position struct {
 	h     string
 }
 
-// cursorVersion begins every cursor, so the encoding can change.
-const cursorVersion = "1"
+// owner names this store in its cursors: its prefix and number of shards.
+func (s *Store) owner() string {
+	return "memcachedstore:" + s.prefix + ":" + strconv.Itoa(len(s.indexKeys))
+}
 
 func (s *Store) encodeCursor(p position) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(cursorVersion + ":" + strconv.Itoa(p.shard) + ":" + p.h))
+	return store.EncodeCursor(s.owner(), strconv.Itoa(p.shard), p.h)
 }
 
 func (s *Store) decodeCursor(c string) (position, error) {
 	if c == "" {
 		return position{}, nil
 	}
-	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("memcachedstore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
-	}
-	raw, err := base64.RawURLEncoding.DecodeString(c)
+	f, err := store.DecodeCursor(c, s.owner(), 2)
 	if err != nil {
-		return bad("is not a cursor of this store")
+		return position{}, fmt.Errorf("memcachedstore: scan: %w", err)
 	}
-	parts := strings.Split(string(raw), ":")
-	if len(parts) != 3 || parts[0] != cursorVersion || len(parts[2]) != hashLen {
-		return bad("is not a cursor of this store")
+	bad := fmt.Errorf("memcachedstore: scan: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	if len(f[1]) != hashLen {
+		return position{}, bad
 	}
-	if _, err := base64.RawURLEncoding.DecodeString(parts[2]); err != nil {
-		return bad("is not a cursor of this store")
+	if _, err := base64.RawURLEncoding.DecodeString(f[1]); err != nil {
+		return position{}, bad
 	}
-	shard, err := strconv.Atoi(parts[1])
-	if err != nil || shard < 0 || shard >= len(s.indexKeys) || s.shard(parts[2]) != shard {
-		return bad("names a shard this store does not have")
+	shard, err := strconv.Atoi(f[0])
+	if err != nil || shard < 0 || shard >= len(s.indexKeys) || s.shard(f[1]) != shard {
+		return position{}, bad
 	}
-	return position{shard: shard, h: parts[2]}, nil
+	return position{shard: shard, h: f[1]}, nil
 }
 
 // candidate is a record named by an index, in scan order.

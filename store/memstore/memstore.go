@@ -11,7 +11,9 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/idemhq/idem/store"
 )
@@ -23,13 +25,18 @@ type Store struct {
 	mu      sync.Mutex
 	records map[string]*store.Record
 	maxBody int
+	owner   string // names this store in its scan cursors
 }
+
+// instances numbers the stores made, so that each has cursors of its own.
+var instances atomic.Uint64
 
 var _ store.BodyLimiter = (*Store)(nil)
 
 // New returns an empty store.
 func New() *Store {
-	return &Store{records: make(map[string]*store.Record), maxBody: math.MaxInt}
+	return &Store{records: make(map[string]*store.Record), maxBody: math.MaxInt,
+		owner: "memstore:" + strconv.FormatUint(instances.Add(1), 10)}
 }
 
 // NewLimited returns an empty store that keeps response bodies of at most
@@ -130,10 +137,18 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 }
 
 // Scan implements [store.Store]. Pages are in scope and key order; the cursor
-// is the last scope and key returned.
+// holds the last scope and key returned.
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
 		return store.ScanResult{}, err
+	}
+	after := ""
+	if p.Cursor != "" {
+		f, err := store.DecodeCursor(p.Cursor, s.owner, 2)
+		if err != nil {
+			return store.ScanResult{}, err
+		}
+		after = id(f[0], f[1])
 	}
 	if err := ctx.Err(); err != nil {
 		return store.ScanResult{}, err
@@ -143,12 +158,13 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	ids := slices.Sorted(maps.Keys(s.records))
 	var res store.ScanResult
 	for _, k := range ids {
-		if k <= p.Cursor {
+		if k <= after {
 			continue
 		}
 		if r := s.records[k]; r.Live(p.Now) && r.Stale(p.Now) {
 			if len(res.Records) == p.PageSize() {
-				res.Cursor = id(res.Records[len(res.Records)-1].Scope, res.Records[len(res.Records)-1].Key)
+				last := res.Records[len(res.Records)-1]
+				res.Cursor = store.EncodeCursor(s.owner, last.Scope, last.Key)
 				return res, nil
 			}
 			res.Records = append(res.Records, *clone(r))

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
@@ -76,12 +77,12 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 		VALUES ($1, $2, 'in_progress', $3, $4, 1, $5, false, $6, $6)`
 	update := `UPDATE ` + name + ` SET state = 'completed', response = $3, expires = $4, updated = $5
 		WHERE scope = $1 AND key = $2`
-	response, err := storetest.BenchResponse().MarshalBinary()
+	response, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
 	f, now := string(fp("a")), time.Now()
-	storetest.Measure(b, x.counter.n.Load, func(i int) {
+	testkit.Measure(b, x.counter.n.Load, func(i int) {
 		key := fmt.Sprintf("key-%08d", i)
 		if _, err := x.pool.Exec(ctx, insert, "tenant", key, f, token(b), now.Add(30*time.Second), now); err != nil {
 			b.Fatal(err)
@@ -95,7 +96,7 @@ func BenchmarkRawInsertUpdate(b *testing.B) {
 func BenchmarkRawSelect(b *testing.B) {
 	x := newBench(b)
 	name := x.rawTable(b)
-	response, err := storetest.BenchResponse().MarshalBinary()
+	response, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -106,7 +107,7 @@ func BenchmarkRawSelect(b *testing.B) {
 	}
 	query := `SELECT scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints
 		FROM ` + name + ` WHERE scope = $1 AND key = $2`
-	storetest.Measure(b, x.counter.n.Load, func(int) {
+	testkit.Measure(b, x.counter.n.Load, func(int) {
 		var (
 			scope, key, state, fingerprint, tok string
 			fence                               int64

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -121,7 +122,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
-	storetest.MustNotify(t, n, "tenant-42", "order-7")
+	testkit.MustNotify(t, n, "tenant-42", "order-7")
 	wait, cancel := context.WithTimeout(ctx, signalWait)
 	defer cancel()
 	note, err := conn.WaitForNotification(wait)
@@ -160,13 +161,13 @@ func TestNotifierClose(t *testing.T) {
 	if pids := listeners(t, channel); len(pids) != 2 {
 		t.Fatalf("%d sessions listen on the channel, want 2", len(pids))
 	}
-	if g := storetest.Goroutines(fn); g != 2 {
+	if g := testkit.Goroutines(fn); g != 2 {
 		t.Fatalf("%d listener goroutines, want 2", g)
 	}
 	if err := n.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
-	storetest.AwaitGoroutines(t, fn, 1)
+	testkit.AwaitGoroutines(t, fn, 1)
 	if err := n.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
@@ -178,8 +179,8 @@ func TestNotifierClose(t *testing.T) {
 	if err := n.Notify(ctx, "s", "k"); err != nil {
 		t.Fatalf("Notify after Close: %v", err)
 	}
-	storetest.Woken(t, onOther, "the open notifier's subscriber")
-	if storetest.Pending(ch) {
+	testkit.Woken(t, onOther, "the open notifier's subscriber")
+	if testkit.Pending(ch) {
 		t.Fatal("the closed notifier woke a subscriber")
 	}
 }
@@ -207,12 +208,12 @@ func TestNotifierReconnects(t *testing.T) {
 
 	killed := awaitListeners(t, channel, 1, 0)[0]
 	kill(killed)
-	storetest.Woken(t, waiter, "a subscriber, once the listener was back,")
+	testkit.Woken(t, waiter, "a subscriber, once the listener was back,")
 	again := awaitListeners(t, channel, 1, killed)[0]
 	ch, cancel := n.Subscribe("s", "k")
 	defer cancel()
-	storetest.MustNotify(t, n, "s", "k")
-	storetest.Woken(t, ch, "a subscriber after the reconnection")
+	testkit.MustNotify(t, n, "s", "k")
+	testkit.Woken(t, ch, "a subscriber after the reconnection")
 
 	kill(again)
 	closed := make(chan error, 1)

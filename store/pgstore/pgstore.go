@@ -91,8 +91,6 @@ package pgstore
 
 import (
 	"context"
-	"encoding/base64"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -466,16 +464,19 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 }
 
 // Scan implements [store.Store] with one SELECT per page. Pages are in byte
-// order of scope, then key; the cursor is an opaque encoding of the last
-// scope and key returned. A cursor this store did not make gives an error
-// wrapping [store.ErrInvalid].
+// order of scope, then key; the cursor holds the last scope and key
+// returned ([store.EncodeCursor]).
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
 		return store.ScanResult{}, err
 	}
-	afterScope, afterKey, err := decodeCursor(p.Cursor)
-	if err != nil {
-		return store.ScanResult{}, err
+	afterScope, afterKey := "", ""
+	if p.Cursor != "" {
+		f, err := store.DecodeCursor(p.Cursor, "pgstore:"+s.schema, 2)
+		if err != nil {
+			return store.ScanResult{}, err
+		}
+		afterScope, afterKey = f[0], f[1]
 	}
 	if err := ctx.Err(); err != nil {
 		return store.ScanResult{}, fmt.Errorf("pgstore: scan: %w", err)
@@ -494,7 +495,7 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	for rows.Next() {
 		if int64(len(res.Records)) == size {
 			last := res.Records[len(res.Records)-1]
-			res.Cursor = encodeCursor(last.Scope, last.Key)
+			res.Cursor = store.EncodeCursor("pgstore:"+s.schema, last.Scope, last.Key)
 			break
 		}
 		r, err := scanRecord(rows)
@@ -556,38 +557,6 @@ func scanRecord(row pgx.Row) (store.Record, error) {
 		return store.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
 	}
 	return r, nil
-}
-
-// cursorVersion starts every cursor, so that its encoding can change.
-const cursorVersion = 1
-
-// encodeCursor encodes the last scope and key of a page unambiguously: a
-// version byte, the scope's length as a uvarint, the scope, then the key.
-func encodeCursor(scope, key string) string {
-	b := make([]byte, 0, 1+binary.MaxVarintLen64+len(scope)+len(key))
-	b = append(b, cursorVersion)
-	b = binary.AppendUvarint(b, uint64(len(scope)))
-	b = append(b, scope...)
-	b = append(b, key...)
-	return base64.RawURLEncoding.EncodeToString(b)
-}
-
-// decodeCursor reverses encodeCursor; the empty cursor starts a scan.
-func decodeCursor(c string) (scope, key string, err error) {
-	if c == "" {
-		return "", "", nil
-	}
-	bad := fmt.Errorf("pgstore: scan: %w: malformed cursor", store.ErrInvalid)
-	b, err := base64.RawURLEncoding.DecodeString(c)
-	if err != nil || len(b) < 2 || b[0] != cursorVersion {
-		return "", "", bad
-	}
-	n, w := binary.Uvarint(b[1:])
-	rest := b[1+max(w, 0):]
-	if w <= 0 || n > uint64(len(rest)) || len(rest)-int(n) == 0 {
-		return "", "", bad
-	}
-	return string(rest[:n]), string(rest[n:]), nil
 }
 
 var _ store.DurabilityReporter = (*Store)(nil)

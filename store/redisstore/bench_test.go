@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -38,12 +39,12 @@ func BenchmarkRawSetNXSet(b *testing.B) {
 	s := newTestStore(b, client, 0)
 	warmUp(b, s)
 	ctx := context.Background()
-	value, err := storetest.BenchResponse().MarshalBinary()
+	value, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
 	base := s.tags[0] + ":raw:"
-	storetest.Measure(b, hook.n.Load, func(i int) {
+	testkit.Measure(b, hook.n.Load, func(i int) {
 		key := base + strconv.Itoa(i)
 		if ok, err := client.SetNX(ctx, key, "in_progress", idem.DefaultLease).Result(); err != nil || !ok {
 			b.Fatalf("SET NX = %v, %v", ok, err)
@@ -60,7 +61,7 @@ func BenchmarkRawGet(b *testing.B) {
 	s := newTestStore(b, client, 0)
 	warmUp(b, s)
 	ctx := context.Background()
-	value, err := storetest.BenchResponse().MarshalBinary()
+	value, err := testkit.BenchResponse().MarshalBinary()
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -68,7 +69,7 @@ func BenchmarkRawGet(b *testing.B) {
 	if err := client.Set(ctx, key, value, idem.DefaultRetention).Err(); err != nil {
 		b.Fatal(err)
 	}
-	storetest.Measure(b, hook.n.Load, func(int) {
+	testkit.Measure(b, hook.n.Load, func(int) {
 		if v, err := client.Get(ctx, key).Bytes(); err != nil || len(v) != len(value) {
 			b.Fatalf("GET = %d bytes, %v", len(v), err)
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store/storetest"
 	"github.com/redis/go-redis/v9"
 )
@@ -82,7 +83,7 @@ func TestNotifierPayloadIsAHash(t *testing.T) {
 	if _, err := raw.Receive(ctx); err != nil {
 		t.Fatal(err)
 	}
-	storetest.MustNotify(t, n, "tenant-42", "order-7")
+	testkit.MustNotify(t, n, "tenant-42", "order-7")
 	msg, err := raw.ReceiveMessage(ctx)
 	if err != nil {
 		t.Fatalf("waiting for the message: %v", err)
@@ -121,7 +122,7 @@ func TestNotifierClose(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, fn := range fns {
-		if g := storetest.Goroutines(fn); g != 2 {
+		if g := testkit.Goroutines(fn); g != 2 {
 			t.Fatalf("%d goroutines started in %s, want 2", g, fn)
 		}
 	}
@@ -129,7 +130,7 @@ func TestNotifierClose(t *testing.T) {
 		t.Fatalf("Close: %v", err)
 	}
 	for _, fn := range fns {
-		storetest.AwaitGoroutines(t, fn, 1)
+		testkit.AwaitGoroutines(t, fn, 1)
 	}
 	if err := n.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
@@ -141,8 +142,8 @@ func TestNotifierClose(t *testing.T) {
 	if err := n.Notify(context.Background(), "s", "k"); err != nil {
 		t.Fatalf("Notify after Close: %v", err)
 	}
-	storetest.Woken(t, onOther, "the open notifier's subscriber")
-	if storetest.Pending(ch) {
+	testkit.Woken(t, onOther, "the open notifier's subscriber")
+	if testkit.Pending(ch) {
 		t.Fatal("the closed notifier woke a subscriber")
 	}
 }
@@ -196,14 +197,14 @@ func TestNotifierResubscribes(t *testing.T) {
 	if err := testClient(t).Do(context.Background(), "CLIENT", "KILL", "ID", killed).Err(); err != nil {
 		t.Fatalf("killing the subscription's connection: %v", err)
 	}
-	storetest.Woken(t, waiter, "a subscriber, once the subscription was back,")
+	testkit.Woken(t, waiter, "a subscriber, once the subscription was back,")
 	if id := pubsubClientID(t, opt.ClientName); id == killed {
 		t.Fatal("the killed connection is still subscribed")
 	}
 	ch, cancel := n.Subscribe("s", "k")
 	defer cancel()
-	storetest.MustNotify(t, n, "s", "k")
-	storetest.Woken(t, ch, "a subscriber after the resubscription")
+	testkit.MustNotify(t, n, "s", "k")
+	testkit.Woken(t, ch, "a subscriber after the resubscription")
 }
 
 // TestNotifierCluster: on Redis Cluster, a notification published on any
@@ -221,13 +222,13 @@ func TestNotifierCluster(t *testing.T) {
 	b := newNotifier(t, cluster, channel)
 	ch, cancel := b.Subscribe("s", "k")
 	defer cancel()
-	storetest.MustNotify(t, newNotifier(t, cluster, channel), "s", "k")
-	storetest.Woken(t, ch, "the subscriber, notified through the cluster client,")
+	testkit.MustNotify(t, newNotifier(t, cluster, channel), "s", "k")
+	testkit.Woken(t, ch, "the subscriber, notified through the cluster client,")
 	for _, addr := range strings.Split(addrs, ",") {
 		node := redis.NewClient(&redis.Options{Addr: addr})
 		t.Cleanup(func() { node.Close() })
-		storetest.MustNotify(t, newNotifier(t, node, channel), "s", "k")
-		storetest.Woken(t, ch, fmt.Sprintf("the subscriber, notified on node %s,", addr))
+		testkit.MustNotify(t, newNotifier(t, node, channel), "s", "k")
+		testkit.Woken(t, ch, fmt.Sprintf("the subscriber, notified on node %s,", addr))
 	}
 }
 

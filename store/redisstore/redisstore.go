@@ -100,7 +100,6 @@ package redisstore
 
 import (
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -633,38 +632,33 @@ func isNoScript(err error) bool {
 	return err != nil && (errors.Is(err, redis.ErrNoScript) || redis.HasErrorPrefix(err, "NOSCRIPT"))
 }
 
-// cursorVersion begins every cursor, so the encoding can change.
-const cursorVersion = "1"
+// owner names this store in its cursors: its prefix (the first tag holds
+// it) and its number of shards.
+func (s *Store) owner() string {
+	return "redisstore:" + s.tags[0] + ":" + strconv.Itoa(int(s.shards))
+}
 
 func (s *Store) encodeCursor(pos position) string {
-	raw := cursorVersion + ":" + strconv.FormatUint(uint64(pos.shard), 10) + ":" + pos.score + ":" + pos.member
-	return base64.RawURLEncoding.EncodeToString([]byte(raw))
+	return store.EncodeCursor(s.owner(), strconv.FormatUint(uint64(pos.shard), 10), pos.score, pos.member)
 }
 
 func (s *Store) decodeCursor(c string) (position, error) {
 	if c == "" {
 		return position{}, nil
 	}
-	bad := func(why string) (position, error) {
-		return position{}, fmt.Errorf("redisstore: scan: %w: cursor %q %s", store.ErrInvalid, c, why)
-	}
-	raw, err := base64.RawURLEncoding.DecodeString(c)
+	f, err := store.DecodeCursor(c, s.owner(), 3)
 	if err != nil {
-		return bad("is not a cursor of this store")
+		return position{}, fmt.Errorf("redisstore: scan: %w", err)
 	}
-	parts := strings.SplitN(string(raw), ":", 4)
-	if len(parts) != 4 || parts[0] != cursorVersion {
-		return bad("is not a cursor of this store")
+	bad := fmt.Errorf("redisstore: scan: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	shard, err := strconv.ParseUint(f[0], 10, 32)
+	if err != nil || shard >= uint64(s.shards) || !strings.HasPrefix(f[2], s.tags[shard]+":") {
+		return position{}, bad
 	}
-	shard, err := strconv.ParseUint(parts[1], 10, 32)
-	if err != nil || shard >= uint64(s.shards) {
-		return bad("names a shard this store does not have")
+	if sc, err := strconv.ParseFloat(f[1], 64); err != nil || math.IsNaN(sc) || math.IsInf(sc, 0) {
+		return position{}, bad
 	}
-	if f, err := strconv.ParseFloat(parts[2], 64); err != nil || math.IsNaN(f) || math.IsInf(f, 0) ||
-		!strings.HasPrefix(parts[3], s.tags[shard]+":") {
-		return bad("is not a cursor of this store")
-	}
-	return position{shard: uint32(shard), score: parts[2], member: parts[3]}, nil
+	return position{shard: uint32(shard), score: f[1], member: f[2]}, nil
 }
 
 // Prune implements [store.Store]. Redis deletes settled records itself when

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/storetest"
 	"github.com/redis/go-redis/v9"
@@ -294,26 +295,26 @@ func TestTTLAndPendingSet(t *testing.T) {
 	s := newTestStore(t, client, 4)
 	const lease, retention = 30 * time.Second, 2 * time.Hour
 
-	done := storetest.Acquire(t, s, "s", "done", t0, lease)
+	done := testkit.Acquire(t, s, "s", "done", t0, lease)
 	checkUnsettled(t, s, client, "done", t0.Add(lease))
-	storetest.Finish(t, s, done, t0.Add(time.Second), idem.StateCompleted, retention)
+	testkit.Finish(t, s, done, t0.Add(time.Second), idem.StateCompleted, retention)
 	checkSettled(t, s, client, "done", retention)
 
-	failed := storetest.Acquire(t, s, "s", "failed", t0, lease)
-	storetest.Finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, time.Minute)
+	failed := testkit.Acquire(t, s, "s", "failed", t0, lease)
+	testkit.Finish(t, s, failed, t0.Add(time.Second), idem.StateFailed, time.Minute)
 	checkSettled(t, s, client, "failed", time.Minute)
 
 	// Marked unknown by its owner while the lease runs: pending at once.
-	marked := storetest.Acquire(t, s, "s", "marked", t0, lease)
-	storetest.Finish(t, s, marked, t0.Add(time.Second), idem.StateUnknown, 0)
+	marked := testkit.Acquire(t, s, "s", "marked", t0, lease)
+	testkit.Finish(t, s, marked, t0.Add(time.Second), idem.StateUnknown, 0)
 	checkUnsettled(t, s, client, "marked", t0.Add(time.Second))
 	// ... and settled later by the owner's late outcome.
-	storetest.Finish(t, s, marked, t0.Add(time.Hour), idem.StateCompleted, retention)
+	testkit.Finish(t, s, marked, t0.Add(time.Hour), idem.StateCompleted, retention)
 	checkSettled(t, s, client, "marked", retention)
 
 	// An expired lease turned unknown by a retry keeps its (past) score.
-	crashed := storetest.Acquire(t, s, "s", "crashed", t0, lease)
-	r, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: storetest.Fingerprint("a"),
+	crashed := testkit.Acquire(t, s, "s", "crashed", t0, lease)
+	r, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "crashed", Fingerprint: testkit.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || r.State != idem.StateUnknown || r.Token != crashed.Token {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown under the old token", r, err)
@@ -323,18 +324,18 @@ func TestTTLAndPendingSet(t *testing.T) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, r)
 	}
 	// Its owner declaring it unknown later does not move it either.
-	storetest.Finish(t, s, crashed, t0.Add(time.Hour), idem.StateUnknown, 0)
+	testkit.Finish(t, s, crashed, t0.Add(time.Hour), idem.StateUnknown, 0)
 	checkUnsettled(t, s, client, "crashed", t0.Add(lease))
 
 	// A takeover of an expired takeover-safe lease: a new lease, stored, and
 	// the pending score follows it.
-	safe, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
+	safe, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: testkit.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0, LeaseExpires: t0.Add(lease), TakeoverSafe: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	later := t0.Add(2 * lease)
-	taken, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: storetest.Fingerprint("a"),
+	taken, err := s.Acquire(context.Background(), store.AcquireParams{Scope: "s", Key: "safe", Fingerprint: testkit.Fingerprint("a"),
 		Token: strings.Repeat("d", 32), Now: later, LeaseExpires: later.Add(lease), TakeoverSafe: true})
 	if err != nil || taken.Token == safe.Token || taken.Fence != 2 {
 		t.Fatalf("takeover = %+v, %v", taken, err)
@@ -349,7 +350,7 @@ func TestTTLAndPendingSet(t *testing.T) {
 	checkUnsettled(t, s, client, "safe", later.Add(lease))
 
 	// A renewal moves the score.
-	running := storetest.Acquire(t, s, "s", "running", t0, lease)
+	running := testkit.Acquire(t, s, "s", "running", t0, lease)
 	if err := s.Renew(context.Background(), store.RenewParams{Scope: "s", Key: "running", Token: running.Token,
 		Now: t0.Add(10 * time.Second), LeaseExpires: t0.Add(40 * time.Second)}); err != nil {
 		t.Fatal(err)
@@ -357,16 +358,16 @@ func TestTTLAndPendingSet(t *testing.T) {
 	checkUnsettled(t, s, client, "running", t0.Add(40*time.Second))
 
 	// Re-created over an expired record: the TTL is gone again.
-	again := storetest.Acquire(t, s, "s", "failed", t0.Add(time.Hour), lease)
+	again := testkit.Acquire(t, s, "s", "failed", t0.Add(time.Hour), lease)
 	if again.Fence != 1 {
 		t.Fatalf("re-created over an expired record: fence %d, want 1", again.Fence)
 	}
 	checkUnsettled(t, s, client, "failed", t0.Add(time.Hour+lease))
 
 	// Over a live FAILED record, the fence continues.
-	released := storetest.Acquire(t, s, "s", "released", t0, lease)
-	storetest.Finish(t, s, released, t0, idem.StateFailed, time.Hour)
-	rerun := storetest.Acquire(t, s, "s", "released", t0.Add(time.Second), lease)
+	released := testkit.Acquire(t, s, "s", "released", t0, lease)
+	testkit.Finish(t, s, released, t0, idem.StateFailed, time.Hour)
+	rerun := testkit.Acquire(t, s, "s", "released", t0.Add(time.Second), lease)
 	if rerun.Fence != 2 {
 		t.Fatalf("re-run over a failed record: fence %d, want 2", rerun.Fence)
 	}
@@ -391,7 +392,7 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 		return strings.Join(n, " ")
 	}
 
-	r := storetest.Acquire(t, s, "s", "k", t0, lease)
+	r := testkit.Acquire(t, s, "s", "k", t0, lease)
 	binary := []byte{0, '\n', 0xff, '"'}
 	for i, name := range []string{"authorize", "capture"} {
 		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token,
@@ -406,7 +407,7 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 		t.Fatalf("stored after two checkpoints = %+v, %v", stored, err)
 	}
 
-	unknown, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
+	unknown, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"),
 		Token: strings.Repeat("b", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || unknown.State != idem.StateUnknown || names(unknown) != "authorize capture" {
 		t.Fatalf("Acquire after expiry = %+v, %v; want unknown with both checkpoints", unknown, err)
@@ -414,15 +415,15 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 	if stored, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0.Add(lease)}); err != nil || !reflect.DeepEqual(stored, unknown) {
 		t.Fatalf("stored unknown record = %+v, %v; Acquire returned %+v", stored, err, unknown)
 	}
-	storetest.Finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
-	replay, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"),
+	testkit.Finish(t, s, r, t0.Add(lease), idem.StateCompleted, time.Hour)
+	replay, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"),
 		Token: strings.Repeat("c", 32), Now: t0.Add(lease), LeaseExpires: t0.Add(2 * lease)})
 	if err != nil || replay.State != idem.StateCompleted || names(replay) != "authorize capture" {
 		t.Fatalf("replay = %+v, %v; want completed with both checkpoints", replay, err)
 	}
 
 	later := t0.Add(lease + 2*time.Hour)
-	again := storetest.Acquire(t, s, "s", "k", later, lease)
+	again := testkit.Acquire(t, s, "s", "k", later, lease)
 	if again.Checkpoints != nil {
 		t.Fatalf("re-created record has checkpoints %+v", again.Checkpoints)
 	}
@@ -499,7 +500,7 @@ func TestRoundTrips(t *testing.T) {
 	var r idem.Record
 	tok := strings.Repeat("a", 32)
 	cost("Acquire of a new key", 1, func() (err error) {
-		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok,
+		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"), Token: tok,
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -520,7 +521,7 @@ func TestRoundTrips(t *testing.T) {
 			Response: resp, Expires: t0.Add(time.Hour)})
 	})
 	cost("Acquire that replays", 1, func() (err error) {
-		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: strings.Repeat("b", 32),
+		r, err = s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"), Token: strings.Repeat("b", 32),
 			Now: t0, LeaseExpires: t0.Add(time.Minute)})
 		return err
 	})
@@ -532,9 +533,9 @@ func TestRoundTrips(t *testing.T) {
 		return err
 	})
 	for i := range 20 {
-		u := storetest.Acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
-		storetest.Finish(t, s, u, t0, idem.StateUnknown, 0)
-		storetest.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: not read
+		u := testkit.Acquire(t, s, "s", "u"+strconv.Itoa(i), t0, time.Minute)
+		testkit.Finish(t, s, u, t0, idem.StateUnknown, 0)
+		testkit.Acquire(t, s, "s", "running"+strconv.Itoa(i), t0, time.Minute) // not stale: not read
 	}
 	cost("Scan page", 2, func() error {
 		res, err := s.Scan(ctx, store.ScanParams{Now: t0, Limit: 20})
@@ -545,66 +546,6 @@ func TestRoundTrips(t *testing.T) {
 	})
 }
 
-// TestScanWhileSettling pages through stale records that share one score in
-// one shard, settling some of each page (always its last record) before
-// asking for the next, as a reconciler does: the cursor's own record has left
-// the pending set by then, while records before it with the same score are
-// still there, and the scan must neither skip nor repeat a record.
-func TestScanWhileSettling(t *testing.T) {
-	t.Parallel()
-	client := testClient(t)
-	s := newTestStore(t, client, 1)
-	const n = 50
-	want := map[string]bool{}
-	for i := range n {
-		key := fmt.Sprintf("k%02d", i)
-		r := storetest.Acquire(t, s, "s", key, t0, time.Minute)
-		if i%2 == 0 {
-			storetest.Finish(t, s, r, t0, idem.StateUnknown, 0) // score t0
-		}
-		want[key] = true
-	}
-	now := t0.Add(time.Minute) // the others' leases end at now: stale too
-	seen := map[string]bool{}
-	cursor := ""
-	for pages := 0; ; pages++ {
-		if pages > n {
-			t.Fatal("scan does not end")
-		}
-		res, err := s.Scan(context.Background(), store.ScanParams{Now: now, Limit: 7, Cursor: cursor})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i, r := range res.Records {
-			if seen[r.Key] {
-				t.Fatalf("%s returned twice", r.Key)
-			}
-			seen[r.Key] = true
-			if i%3 == 0 || i == len(res.Records)-1 {
-				storetest.Finish(t, s, r, now, idem.StateFailed, time.Hour)
-			}
-		}
-		if cursor = res.Cursor; cursor == "" {
-			break
-		}
-	}
-	if len(seen) != len(want) {
-		t.Fatalf("scan returned %d of the %d stale records", len(seen), len(want))
-	}
-	settled := 0
-	for key := range want {
-		if r, err := s.Get(context.Background(), store.GetParams{Scope: "s", Key: key, Now: now}); err != nil {
-			t.Fatal(err)
-		} else if r.State == idem.StateFailed {
-			settled++
-		}
-	}
-	res, err := s.Scan(context.Background(), store.ScanParams{Now: now})
-	if err != nil || len(res.Records) != n-settled {
-		t.Fatalf("a fresh scan found %d records, %v; want the %d left unsettled", len(res.Records), err, n-settled)
-	}
-}
-
 // TestScanSkipsVanishedRecords: a pending member whose hash is gone (deleted
 // by hand, evicted) is skipped, and the page is still filled.
 func TestScanSkipsVanishedRecords(t *testing.T) {
@@ -612,7 +553,7 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	client := testClient(t)
 	s := newTestStore(t, client, 1)
 	for i := range 6 {
-		storetest.Acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
+		testkit.Acquire(t, s, "s", fmt.Sprintf("k%d", i), t0, time.Minute)
 	}
 	for _, key := range []string{"k1", "k2"} {
 		rec, _ := s.keys("s", key)
@@ -637,25 +578,6 @@ func TestScanSkipsVanishedRecords(t *testing.T) {
 	}
 }
 
-func TestScanRejectsForeignCursor(t *testing.T) {
-	t.Parallel()
-	client := testClient(t)
-	s := newTestStore(t, client, 4)
-	other, err := New(Config{Client: client, Prefix: "other", Shards: 8})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range []string{"not base64!", "eA", other.encodeCursor(position{shard: 2, score: "1", member: other.tags[2] + ":1:s:k"}),
-		s.encodeCursor(position{shard: 1, score: "x", member: s.tags[1] + ":1:s:k"}),
-		s.encodeCursor(position{shard: 1, score: "NaN", member: s.tags[1] + ":1:s:k"}),
-		s.encodeCursor(position{shard: 1, score: "1", member: s.tags[2] + ":1:s:k"}),
-		other.encodeCursor(position{shard: 7, score: "1", member: other.tags[7] + ":1:s:k"})} {
-		if _, err := s.Scan(context.Background(), store.ScanParams{Now: t0, Cursor: c}); !errors.Is(err, idem.ErrInvalid) {
-			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", c, err)
-		}
-	}
-}
-
 // closedPort returns a local TCP port nothing listens on.
 func closedPort(t *testing.T) string {
 	t.Helper()
@@ -668,39 +590,20 @@ func closedPort(t *testing.T) string {
 	return addr
 }
 
-func TestUnreachableServer(t *testing.T) {
+// TestClosedClientIsUnavailable: a store whose client was closed fails
+// closed, with ErrUnavailable (the suite's RunFaults covers a server that
+// cannot be reached).
+func TestClosedClientIsUnavailable(t *testing.T) {
 	t.Parallel()
-	client := redis.NewClient(&redis.Options{Addr: closedPort(t), DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
-	t.Cleanup(func() { client.Close() })
+	client := redis.NewClient(testOptions(t))
 	s, err := New(Config{Client: client})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	tok := strings.Repeat("a", 32)
-	_, err = s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: storetest.Fingerprint("a"), Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)})
-	if !errors.Is(err, idem.ErrUnavailable) {
-		t.Fatalf("Acquire: err = %v, want ErrUnavailable", err)
-	}
-	if !strings.HasPrefix(err.Error(), "redisstore: acquire: ") {
-		t.Errorf("error %q does not say which operation failed", err)
-	}
-	errs := map[string]error{
-		"Renew":  s.Renew(ctx, store.RenewParams{Key: "k", Token: tok, Now: t0, LeaseExpires: t0.Add(time.Minute)}),
-		"Finish": s.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)}),
-	}
-	_, errs["Get"] = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
-	_, errs["Scan"] = s.Scan(ctx, store.ScanParams{Now: t0})
-	for name, err := range errs {
-		if !errors.Is(err, idem.ErrUnavailable) {
-			t.Errorf("%s: err = %v, want ErrUnavailable", name, err)
-		}
-	}
-	// A closed client is unavailable too.
 	client.Close()
-	_, err = s.Get(ctx, store.GetParams{Key: "k", Now: t0})
-	if !errors.Is(err, idem.ErrUnavailable) {
-		t.Errorf("Get on a closed client: err = %v, want ErrUnavailable", err)
+	_, err = s.Get(context.Background(), store.GetParams{Key: "k", Now: t0})
+	if !errors.Is(err, idem.ErrUnavailable) || !strings.HasPrefix(err.Error(), "redisstore: get: ") {
+		t.Errorf("Get on a closed client: err = %v, want ErrUnavailable, naming the operation", err)
 	}
 }
 

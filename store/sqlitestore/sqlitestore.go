@@ -79,8 +79,9 @@ type Config struct {
 
 // Store keeps records in a SQLite database. Close it when done.
 type Store struct {
-	db *sql.DB
-	mu sync.Mutex // serialises this process's write transactions
+	db    *sql.DB
+	mu    sync.Mutex // serialises this process's write transactions
+	owner string     // names this store in its scan cursors
 }
 
 //go:embed migrations/*.sql
@@ -106,7 +107,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sqlitestore: open %s: %w", cfg.Path, err)
 	}
-	s := &Store{db: db}
+	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path}
 	if err := s.migrate(ctx); err != nil {
 		db.Close()
 		return nil, err
@@ -288,9 +289,13 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	if err := p.Validate(); err != nil {
 		return store.ScanResult{}, err
 	}
-	scope, key, err := decodeCursor(p.Cursor)
-	if err != nil {
-		return store.ScanResult{}, err
+	scope, key := "", ""
+	if p.Cursor != "" {
+		f, err := store.DecodeCursor(p.Cursor, s.owner, 2)
+		if err != nil {
+			return store.ScanResult{}, err
+		}
+		scope, key = f[0], f[1]
 	}
 	now := p.Now.UnixNano()
 	rows, err := s.db.QueryContext(ctx, `SELECT `+columns+` FROM idem_records
@@ -309,7 +314,7 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 		}
 		if len(res.Records) == p.PageSize() {
 			last := res.Records[len(res.Records)-1]
-			res.Cursor = encodeCursor(last.Scope, last.Key)
+			res.Cursor = store.EncodeCursor(s.owner, last.Scope, last.Key)
 			break
 		}
 		res.Records = append(res.Records, *r)
@@ -403,22 +408,6 @@ func scanRecord(row interface{ Scan(...any) error }) (*store.Record, error) {
 		}
 	}
 	return &r, nil
-}
-
-func encodeCursor(scope, key string) string {
-	return strconv.Itoa(len(scope)) + ":" + scope + key
-}
-
-func decodeCursor(c string) (scope, key string, err error) {
-	if c == "" {
-		return "", "", nil
-	}
-	n, rest, ok := strings.Cut(c, ":")
-	l, err := strconv.Atoi(n)
-	if !ok || err != nil || l < 0 || l > len(rest) {
-		return "", "", fmt.Errorf("%w: sqlitestore: malformed scan cursor", store.ErrInvalid)
-	}
-	return rest[:l], rest[l:], nil
 }
 
 // translate maps driver errors into the root's vocabulary: a database that

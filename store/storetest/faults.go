@@ -10,7 +10,9 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
 )
 
 // faultStoreTimeout is the engine's store timeout in the fault cases: short,
@@ -39,6 +41,7 @@ func RunFaults(t *testing.T, target string, newStore func(t *testing.T, addr str
 		{"FinishReplyLost", testFinishReplyLost},
 		{"ConnectionsCut", testConnectionsCut},
 		{"OutageFailsAcquireClosed", testOutageFailsAcquireClosed},
+		{"OutageFailsEveryCall", testOutageFailsEveryCall},
 		{"OutageJournalsOutcome", testOutageJournalsOutcome},
 		{"JournalSurvivesRestart", testJournalSurvivesRestart},
 	}
@@ -91,7 +94,7 @@ func (f *faultHarness) engine(t *testing.T) *idem.Engine {
 
 func (f *faultHarness) begin(t *testing.T, e *idem.Engine, key string, want idem.Decision) idem.Outcome {
 	t.Helper()
-	out, err := e.Begin(ctx, idem.BeginParams{Scope: "s", Key: key, Fingerprint: Fingerprint("a")})
+	out, err := e.Begin(ctx, idem.BeginParams{Scope: "s", Key: key, Fingerprint: testkit.Fingerprint("a")})
 	if err != nil {
 		t.Fatalf("Begin(%q): %v", key, err)
 	}
@@ -177,7 +180,7 @@ func testOutageFailsAcquireClosed(t *testing.T, f *faultHarness) {
 	f.warmUp(t)
 	end := f.proxy.Outage()
 	began := time.Now()
-	_, err := f.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a")})
+	_, err := f.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a")})
 	if !errors.Is(err, idem.ErrUnavailable) {
 		t.Fatalf("Begin during an outage: %v, want ErrUnavailable", err)
 	}
@@ -208,7 +211,7 @@ func testOutageJournalsOutcome(t *testing.T, f *faultHarness) {
 		t.Fatalf("%d outcome(s) in the journal, want 1", n)
 	}
 	sameResponse(t, f.begin(t, f.eng, "k", idem.Replay).Record.Response, resp)
-	out, err := f.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("b")})
+	out, err := f.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("b")})
 	if err != nil || out.Decision != idem.Mismatch {
 		t.Fatalf("another payload during the outage: %v, %v; want mismatch", out.Decision, err)
 	}
@@ -245,4 +248,64 @@ func testJournalSurvivesRestart(t *testing.T, f *faultHarness) {
 		t.Fatalf("record after the restart: %+v, %v", r, err)
 	}
 	sameResponse(t, r.Response, resp)
+}
+
+// testOutageFailsEveryCall: while the server cannot be reached, every
+// operation of the store fails with ErrUnavailable, and with no other
+// sentinel (the outcome is not known, so nothing else may be claimed); a
+// context cancelled by the caller stays a cancellation, not unavailability.
+func testOutageFailsEveryCall(t *testing.T, f *faultHarness) {
+	f.warmUp(t)
+	end := f.proxy.Outage()
+	defer end()
+	now := time.Now()
+	tok := strings.Repeat("a", 32)
+	call := func(name string, fn func(ctx context.Context) error) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		err := fn(ctx)
+		if name == "Prune" && err == nil {
+			return // a store whose server expires records itself has nothing to ask it
+		}
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Errorf("%s during an outage: %v, want ErrUnavailable", name, err)
+		}
+		for _, other := range []error{idem.ErrNotFound, idem.ErrLeaseLost, idem.ErrInvalid} {
+			if errors.Is(err, other) {
+				t.Errorf("%s during an outage: %v also claims %v", name, err, other)
+			}
+		}
+	}
+	call("Acquire", func(ctx context.Context) error {
+		_, err := f.store.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now.Add(time.Minute)})
+		return err
+	})
+	call("Renew", func(ctx context.Context) error {
+		return f.store.Renew(ctx, store.RenewParams{Scope: "s", Key: "k", Token: tok, Now: now, LeaseExpires: now.Add(time.Minute)})
+	})
+	call("Checkpoint", func(ctx context.Context) error {
+		return f.store.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: tok, Now: now, Name: "step"})
+	})
+	call("Finish", func(ctx context.Context) error {
+		return f.store.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: tok, Now: now, State: idem.StateFailed, Expires: now.Add(time.Hour)})
+	})
+	call("Get", func(ctx context.Context) error {
+		_, err := f.store.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: now})
+		return err
+	})
+	call("Scan", func(ctx context.Context) error {
+		_, err := f.store.Scan(ctx, store.ScanParams{Now: now})
+		return err
+	})
+	call("Prune", func(ctx context.Context) error {
+		_, err := f.store.Prune(ctx, store.PruneParams{Now: now})
+		return err
+	})
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := f.store.Get(canceled, store.GetParams{Scope: "s", Key: "k", Now: now})
+	if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
+		t.Errorf("Get with a cancelled context: %v, want context.Canceled and not ErrUnavailable", err)
+	}
 }

@@ -2,12 +2,11 @@ package storetest
 
 import (
 	"context"
-	"runtime"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 )
 
@@ -39,63 +38,6 @@ func RunNotifier(t *testing.T, newInstances func(t *testing.T) (idem.Store, func
 	}
 }
 
-// MustNotify notifies scope and key through n, failing the test on error.
-func MustNotify(t *testing.T, n idem.Notifier, scope, key string) {
-	t.Helper()
-	if err := n.Notify(ctx, scope, key); err != nil {
-		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
-	}
-}
-
-// Woken waits for a value on ch, and fails the test if none comes within
-// ten seconds: a signal wait, not a sleep.
-func Woken(t *testing.T, ch <-chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(notifyWait):
-		t.Fatalf("%s was not woken within %v", what, notifyWait)
-	}
-}
-
-// Pending reports, without waiting, whether ch holds a wake-up.
-func Pending(ch <-chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
-}
-
-// Goroutines counts the goroutines that the calling goroutine started in
-// function fn (as runtime.Stack names it) and that are still running.
-func Goroutines(fn string) int {
-	buf := make([]byte, 64)
-	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
-	for {
-		buf = make([]byte, 2*len(buf))
-		if n := runtime.Stack(buf, true); n < len(buf) {
-			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
-		}
-	}
-}
-
-// AwaitGoroutines waits until exactly want goroutines that the calling
-// goroutine started in function fn (as runtime.Stack names it) are still
-// running, failing the test after ten seconds: how a store's test shows
-// that Close ended what a constructor started (one that has just ended may
-// still be returning).
-func AwaitGoroutines(t *testing.T, fn string, want int) {
-	t.Helper()
-	for deadline := time.Now().Add(notifyWait); Goroutines(fn) != want; {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines started in %s still run, want %d", Goroutines(fn), fn, want)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // testNotifierWakesOtherInstance: a notification sent by one instance right
 // after another's notifier was made wakes the other's subscriber (and the
 // sender's own).
@@ -105,9 +47,9 @@ func testNotifierWakesOtherInstance(t *testing.T, _ idem.Store, newNotifier func
 	defer cancelB()
 	onA, cancelA := a.Subscribe("s", "k")
 	defer cancelA()
-	MustNotify(t, a, "s", "k")
-	Woken(t, onB, "the other instance's subscriber")
-	Woken(t, onA, "the sending instance's own subscriber")
+	testkit.MustNotify(t, a, "s", "k")
+	testkit.Woken(t, onB, "the other instance's subscriber")
+	testkit.Woken(t, onA, "the sending instance's own subscriber")
 }
 
 // testNotifierKeepsRecordsApart: a notification for another key, or for the
@@ -125,19 +67,19 @@ func testNotifierKeepsRecordsApart(t *testing.T, _ idem.Store, newNotifier func(
 	marker, c4 := b.Subscribe("s", "marker")
 	defer c4()
 
-	MustNotify(t, a, "s", "k2")
-	MustNotify(t, a, "s2", "k")
-	MustNotify(t, a, "s", "marker")
-	Woken(t, marker, "the marker's subscriber")
-	if !Pending(otherKey) || !Pending(otherScope) {
+	testkit.MustNotify(t, a, "s", "k2")
+	testkit.MustNotify(t, a, "s2", "k")
+	testkit.MustNotify(t, a, "s", "marker")
+	testkit.Woken(t, marker, "the marker's subscriber")
+	if !testkit.Pending(otherKey) || !testkit.Pending(otherScope) {
 		t.Fatal("the notifications sent before the marker's were not delivered before it")
 	}
-	if Pending(right) {
+	if testkit.Pending(right) {
 		t.Fatal("a notification for another key or scope woke the subscriber")
 	}
-	MustNotify(t, a, "s", "k")
-	Woken(t, right, "the subscriber")
-	if Pending(right) || Pending(otherKey) || Pending(otherScope) || Pending(marker) {
+	testkit.MustNotify(t, a, "s", "k")
+	testkit.Woken(t, right, "the subscriber")
+	if testkit.Pending(right) || testkit.Pending(otherKey) || testkit.Pending(otherScope) || testkit.Pending(marker) {
 		t.Fatal("a subscriber was woken twice, or by another record's notification")
 	}
 }
@@ -151,9 +93,9 @@ func testNotifierCancel(t *testing.T, _ idem.Store, newNotifier func() idem.Noti
 	defer cancelKept()
 	cancelGone()
 	cancelGone() // twice is harmless
-	MustNotify(t, n, "s", "k")
-	Woken(t, kept, "the remaining subscriber")
-	if Pending(gone) {
+	testkit.MustNotify(t, n, "s", "k")
+	testkit.Woken(t, kept, "the remaining subscriber")
+	if testkit.Pending(gone) {
 		t.Fatal("a cancelled subscription was woken")
 	}
 }
@@ -184,7 +126,7 @@ func testNotifierWakesAwaitOnOtherEngine(t *testing.T, store idem.Store, newNoti
 	if err != nil {
 		t.Fatal(err)
 	}
-	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a")}
+	req := idem.BeginParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a")}
 	out, err := first.Begin(ctx, req)
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v, %v; want execute", out.Decision, err)

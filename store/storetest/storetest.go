@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 )
@@ -64,6 +65,8 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"CheckpointEndsTakeover", testCheckpointEndsTakeover},
 		{"CheckpointNeedsRunningLease", testCheckpointNeedsRunningLease},
 		{"DurabilityReported", testDurabilityReported},
+		{"ScanCursorsAreOwn", testScanCursorsAreOwn},
+		{"ScanWhileSettling", testScanWhileSettling},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -74,7 +77,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			c.fn(t, &harness{store: store, clock: clock, eng: eng})
+			c.fn(t, &harness{store: store, clock: clock, eng: eng, newStore: newStore})
 		})
 	}
 }
@@ -172,9 +175,10 @@ func (c *Clock) AwaitTimers(n int, d time.Duration) bool {
 }
 
 type harness struct {
-	store idem.Store
-	clock *Clock
-	eng   *idem.Engine
+	store    idem.Store
+	clock    *Clock
+	eng      *idem.Engine
+	newStore func(t *testing.T) idem.Store
 }
 
 var ctx = context.Background()
@@ -290,7 +294,7 @@ func count(outs []idem.Outcome) map[idem.Decision]int {
 
 func testAcquireCreatesRecord(t *testing.T, h *harness) {
 	now := h.clock.Now()
-	l := h.mustExecute(t, "s", "k1", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k1", testkit.Fingerprint("a"))
 	if len(l.Token) != 32 {
 		t.Errorf("token %q is not 128 bits in hex", l.Token)
 	}
@@ -298,7 +302,7 @@ func testAcquireCreatesRecord(t *testing.T, h *harness) {
 		t.Errorf("lease = %+v, want fence 1 expiring at %v", l, now.Add(lease))
 	}
 	r := h.get(t, "s", "k1")
-	if r.Scope != "s" || r.Key != "k1" || r.State != idem.StateInProgress || r.Fingerprint != Fingerprint("a") ||
+	if r.Scope != "s" || r.Key != "k1" || r.State != idem.StateInProgress || r.Fingerprint != testkit.Fingerprint("a") ||
 		r.Token != l.Token || r.Fence != 1 || !r.LeaseExpires.Equal(l.Expires) || r.TakeoverSafe ||
 		r.Response != nil || !r.Created.Equal(now) || !r.Updated.Equal(now) || !r.Expires.IsZero() {
 		t.Errorf("stored record = %+v", r)
@@ -307,7 +311,7 @@ func testAcquireCreatesRecord(t *testing.T, h *harness) {
 
 func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	outs := race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: testkit.Fingerprint("a")})
 	})
 	c := count(outs)
 	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
@@ -325,7 +329,7 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	h.complete(t, winner, resp)
 
 	for _, o := range race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: testkit.Fingerprint("a")})
 	}) {
 		if o.Decision != idem.Replay {
 			t.Fatalf("after completion: decision %v, want replay", o.Decision)
@@ -333,7 +337,7 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 		sameResponse(t, o.Record.Response, resp)
 	}
 	for _, o := range race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: Fingerprint("b")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: testkit.Fingerprint("b")})
 	}) {
 		if o.Decision != idem.Mismatch || !reflect.DeepEqual(o.Diff, []string{"body"}) {
 			t.Fatalf("other payload: decision %v diff %v, want mismatch in body", o.Decision, o.Diff)
@@ -342,13 +346,13 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 }
 
 func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
-	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
+	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: true})
 	if err != nil || first.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v, %v", first.Decision, err)
 	}
 	h.clock.Advance(lease + time.Millisecond)
 	outs := race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: true})
 	})
 	c := count(outs)
 	if c[idem.Execute] != 1 || c[idem.InFlight] != Racers-1 {
@@ -362,10 +366,10 @@ func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
 }
 
 func testConcurrentExpiryNeverExecutes(t *testing.T, h *harness) {
-	h.mustExecute(t, "s", "crash", Fingerprint("a"))
+	h.mustExecute(t, "s", "crash", testkit.Fingerprint("a"))
 	h.clock.Advance(lease)
 	c := count(race(t, func() (idem.Outcome, error) {
-		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "crash", Fingerprint: Fingerprint("a")})
+		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "crash", Fingerprint: testkit.Fingerprint("a")})
 	}))
 	if c[idem.Uncertain] != Racers {
 		t.Fatalf("decisions after an expired lease = %v, want all %d uncertain", c, Racers)
@@ -381,7 +385,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 			defer wg.Done()
 			key := fmt.Sprintf("key-%d", i)
 			body := fmt.Sprintf(`{"n":%d}`, i)
-			out, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: Fingerprint(body)})
+			out, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: testkit.Fingerprint(body)})
 			if err != nil || out.Decision != idem.Execute {
 				errs <- fmt.Errorf("%s: Begin = %v, %v", key, out.Decision, err)
 				return
@@ -390,7 +394,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 				errs <- fmt.Errorf("%s: Complete: %v", key, err)
 				return
 			}
-			again, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: Fingerprint(body)})
+			again, err := h.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: testkit.Fingerprint(body)})
 			if err != nil || again.Decision != idem.Replay || string(again.Record.Response.Body) != body {
 				errs <- fmt.Errorf("%s: replay = %v, %v", key, again.Decision, err)
 			}
@@ -404,7 +408,7 @@ func testConcurrentDistinctKeys(t *testing.T, h *harness) {
 }
 
 func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	forged := l
 	forged.Token = strings.Repeat("0", 32)
 	_, err := h.eng.Renew(ctx, forged)
@@ -451,7 +455,7 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 	}
 	for name, resp := range bodies {
 		t.Run(name, func(t *testing.T) {
-			l := h.mustExecute(t, "s", "completed "+name, Fingerprint("a"))
+			l := h.mustExecute(t, "s", "completed "+name, testkit.Fingerprint("a"))
 			p := finish(l, idem.StateCompleted, resp)
 			wantErr(t, "Finish", h.store.Finish(ctx, p), nil)
 			h.clock.Advance(time.Second)
@@ -474,7 +478,7 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 		})
 	}
 
-	l := h.mustExecute(t, "s", "released", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "released", testkit.Fingerprint("a"))
 	p := finish(l, idem.StateFailed, nil)
 	wantErr(t, "Release", h.store.Finish(ctx, p), nil)
 	wantErr(t, "the same release again", h.store.Finish(ctx, p), nil)
@@ -484,10 +488,10 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 	}
 	// Once the key runs again under a new lease, the old token's repeat is
 	// refused: it would release the newer owner's work.
-	h.mustExecute(t, "s", "released", Fingerprint("a"))
+	h.mustExecute(t, "s", "released", testkit.Fingerprint("a"))
 	wantErr(t, "the old release once a new owner runs", h.store.Finish(ctx, p), idem.ErrLeaseLost)
 
-	l = h.mustExecute(t, "s", "unknown", Fingerprint("a"))
+	l = h.mustExecute(t, "s", "unknown", testkit.Fingerprint("a"))
 	p = finish(l, idem.StateUnknown, nil)
 	wantErr(t, "MarkUnknown", h.store.Finish(ctx, p), nil)
 	wantErr(t, "the same MarkUnknown again", h.store.Finish(ctx, p), nil)
@@ -499,7 +503,7 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 
 func testRenewExtendsLease(t *testing.T, h *harness) {
 	t0 := h.clock.Now()
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	h.clock.Advance(20 * time.Second)
 	l, err := h.eng.Renew(ctx, l)
 	if err != nil {
@@ -512,7 +516,7 @@ func testRenewExtendsLease(t *testing.T, h *harness) {
 		t.Fatalf("stored lease expires %v, want %v", r.LeaseExpires, l.Expires)
 	}
 	h.clock.Advance(20 * time.Second) // past the first lease, inside the renewed one
-	out := h.expect(t, "s", "k", Fingerprint("a"), idem.InFlight)
+	out := h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.InFlight)
 	if out.RetryAfter != 10*time.Second {
 		t.Fatalf("RetryAfter = %v, want 10s", out.RetryAfter)
 	}
@@ -522,14 +526,14 @@ func testRenewExtendsLease(t *testing.T, h *harness) {
 }
 
 func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
-	h.mustExecute(t, "s", "other", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
+	h.mustExecute(t, "s", "other", testkit.Fingerprint("a"))
 	h.clock.Advance(lease)
-	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
+	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Uncertain)
 	if r := h.get(t, "s", "k"); r.State != idem.StateUnknown || r.Token != l.Token {
 		t.Fatalf("record after expiry = %+v, want unknown under the old token", r)
 	}
-	out := h.expect(t, "s", "other", Fingerprint("b"), idem.Mismatch)
+	out := h.expect(t, "s", "other", testkit.Fingerprint("b"), idem.Mismatch)
 	if r := h.get(t, "s", "other"); r.State != idem.StateUnknown || out.Record.State != idem.StateUnknown {
 		t.Fatalf("expired record seen with another payload is %v, want unknown", r.State)
 	}
@@ -539,7 +543,7 @@ func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
 	// The owner's late outcome settles the unknown record.
 	resp := okResponse("late but true")
 	h.complete(t, l, resp)
-	sameResponse(t, h.expect(t, "s", "k", Fingerprint("a"), idem.Replay).Record.Response, resp)
+	sameResponse(t, h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Replay).Record.Response, resp)
 }
 
 func testTakeoverWhenDeclared(t *testing.T, h *harness) {
@@ -551,18 +555,18 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 		}
 		return out
 	}
-	old := begin(Fingerprint("a"))
+	old := begin(testkit.Fingerprint("a"))
 	if old.Decision != idem.Execute {
 		t.Fatalf("first Begin = %v", old.Decision)
 	}
-	if d := begin(Fingerprint("a")).Decision; d != idem.InFlight {
+	if d := begin(testkit.Fingerprint("a")).Decision; d != idem.InFlight {
 		t.Fatalf("Begin while the lease runs = %v, want in flight", d)
 	}
 	h.clock.Advance(lease)
-	if out := begin(Fingerprint("b")); out.Decision != idem.Mismatch || out.Record.State != idem.StateInProgress {
+	if out := begin(testkit.Fingerprint("b")); out.Decision != idem.Mismatch || out.Record.State != idem.StateInProgress {
 		t.Fatalf("other payload after expiry = %v in %v, want mismatch on an in-progress record", out.Decision, out.Record.State)
 	}
-	now := begin(Fingerprint("a"))
+	now := begin(testkit.Fingerprint("a"))
 	if now.Decision != idem.Execute || now.Lease.Fence != 2 || now.Lease.Token == old.Lease.Token {
 		t.Fatalf("takeover = %v %+v, want execute with fence 2 and a new token", now.Decision, now.Lease)
 	}
@@ -572,7 +576,7 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 	wantErr(t, "old owner's Release", h.eng.Release(ctx, old.Lease), idem.ErrLeaseLost)
 	resp := okResponse("fresh")
 	h.complete(t, now.Lease, resp)
-	out := begin(Fingerprint("a"))
+	out := begin(testkit.Fingerprint("a"))
 	if out.Decision != idem.Replay || out.Record.Fence != 2 {
 		t.Fatalf("after takeover completed: %v fence %d", out.Decision, out.Record.Fence)
 	}
@@ -605,7 +609,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 	}
 	for i, resp := range cases {
 		key := fmt.Sprintf("replay-%d", i)
-		l := h.mustExecute(t, "s", key, Fingerprint(key))
+		l := h.mustExecute(t, "s", key, testkit.Fingerprint(key))
 		h.complete(t, l, resp)
 		want := resp
 		if len(resp.Body) > limit {
@@ -613,7 +617,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 		}
 		r := h.get(t, "s", key)
 		sameResponse(t, r.Response, want)
-		out := h.expect(t, "s", key, Fingerprint(key), idem.Replay)
+		out := h.expect(t, "s", key, testkit.Fingerprint(key), idem.Replay)
 		sameResponse(t, out.Record.Response, want)
 		if !out.Record.Expires.Equal(h.clock.Now().Add(retention)) {
 			t.Fatalf("expires = %v, want now + retention", out.Record.Expires)
@@ -622,14 +626,14 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 }
 
 func testReleaseFreesKey(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	if err := h.eng.Release(ctx, l); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	if r := h.get(t, "s", "k"); r.State != idem.StateFailed || r.Response != nil || r.Expires.IsZero() {
 		t.Fatalf("released record = %+v, want failed with an expiry", r)
 	}
-	again := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	again := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	if again.Fence != 2 || again.Token == l.Token {
 		t.Fatalf("re-run lease = %+v, want fence 2 and a new token", again)
 	}
@@ -638,23 +642,23 @@ func testReleaseFreesKey(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 	// A released key binds no payload: nothing happened under it.
-	third := h.mustExecute(t, "s", "k", Fingerprint("other"))
+	third := h.mustExecute(t, "s", "k", testkit.Fingerprint("other"))
 	if third.Fence != 3 {
 		t.Fatalf("third lease fence = %d, want 3", third.Fence)
 	}
-	if r := h.get(t, "s", "k"); r.Fingerprint != Fingerprint("other") || !r.Expires.IsZero() {
+	if r := h.get(t, "s", "k"); r.Fingerprint != testkit.Fingerprint("other") || !r.Expires.IsZero() {
 		t.Fatalf("re-acquired record = %+v", r)
 	}
 }
 
 func testMarkUnknown(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	if err := h.eng.MarkUnknown(ctx, l); err != nil {
 		t.Fatalf("MarkUnknown: %v", err)
 	}
-	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
+	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Uncertain)
 	h.clock.Advance(48 * time.Hour) // unsettled records never expire
-	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
+	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Uncertain)
 	res, err := h.eng.Scan(ctx, 0, "")
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "k" || res.Records[0].State != idem.StateUnknown {
 		t.Fatalf("Scan = %+v, %v; want the unknown record", res, err)
@@ -662,29 +666,29 @@ func testMarkUnknown(t *testing.T, h *harness) {
 	if err := h.eng.Release(ctx, l); err != nil {
 		t.Fatalf("owner's late Release of its unknown record: %v", err)
 	}
-	h.mustExecute(t, "s", "k", Fingerprint("a"))
+	h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 }
 
 func testRetentionExpiresOutcome(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "done", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "done", testkit.Fingerprint("a"))
 	h.complete(t, l, okResponse("x"))
-	f := h.mustExecute(t, "s", "failed", Fingerprint("a"))
+	f := h.mustExecute(t, "s", "failed", testkit.Fingerprint("a"))
 	if err := h.eng.Release(ctx, f); err != nil {
 		t.Fatal(err)
 	}
 	h.clock.Advance(retention - time.Millisecond)
-	h.expect(t, "s", "done", Fingerprint("a"), idem.Replay)
+	h.expect(t, "s", "done", testkit.Fingerprint("a"), idem.Replay)
 	h.get(t, "s", "failed")
 	h.clock.Advance(time.Millisecond)
 	for _, key := range []string{"done", "failed"} {
 		_, err := h.eng.Get(ctx, "s", key)
 		wantErr(t, "Get of an expired record", err, idem.ErrNotFound)
-		if l := h.mustExecute(t, "s", key, Fingerprint("b")); l.Fence != 1 {
+		if l := h.mustExecute(t, "s", key, testkit.Fingerprint("b")); l.Fence != 1 {
 			t.Fatalf("expired key %q: new lease fence = %d, want 1", key, l.Fence)
 		}
 	}
 	// Per-request retention overrides the engine's.
-	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "short", Fingerprint: Fingerprint("a"), Retention: time.Minute})
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "short", Fingerprint: testkit.Fingerprint("a"), Retention: time.Minute})
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatalf("Begin with retention: %v, %v", out.Decision, err)
 	}
@@ -696,20 +700,20 @@ func testRetentionExpiresOutcome(t *testing.T, h *harness) {
 
 func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 	for i := range 5 {
-		l := h.mustExecute(t, "s", fmt.Sprintf("old-%d", i), Fingerprint("a"))
+		l := h.mustExecute(t, "s", fmt.Sprintf("old-%d", i), testkit.Fingerprint("a"))
 		if i < 3 {
 			h.complete(t, l, okResponse("x"))
 		} else if err := h.eng.Release(ctx, l); err != nil {
 			t.Fatal(err)
 		}
 	}
-	h.mustExecute(t, "s", "running", Fingerprint("a"))
-	u := h.mustExecute(t, "s", "unknown", Fingerprint("a"))
+	h.mustExecute(t, "s", "running", testkit.Fingerprint("a"))
+	u := h.mustExecute(t, "s", "unknown", testkit.Fingerprint("a"))
 	if err := h.eng.MarkUnknown(ctx, u); err != nil {
 		t.Fatal(err)
 	}
 	h.clock.Advance(retention)
-	live := h.mustExecute(t, "s", "live", Fingerprint("a"))
+	live := h.mustExecute(t, "s", "live", testkit.Fingerprint("a"))
 	h.complete(t, live, okResponse("x"))
 
 	total := 0
@@ -739,7 +743,7 @@ func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 	if r := h.get(t, "s", "unknown"); r.State != idem.StateUnknown {
 		t.Fatalf("prune touched the unknown record: %+v", r)
 	}
-	h.expect(t, "s", "live", Fingerprint("a"), idem.Replay)
+	h.expect(t, "s", "live", testkit.Fingerprint("a"), idem.Replay)
 	if n, err := h.eng.Prune(ctx, idem.PruneOptions{}); err != nil || n != 0 {
 		t.Fatalf("second Prune = %d, %v; want nothing left to delete", n, err)
 	}
@@ -749,21 +753,21 @@ func testScanFindsStaleRecords(t *testing.T, h *harness) {
 	want := map[string]bool{}
 	for i := range 15 { // leases that will run out
 		key := fmt.Sprintf("expired-%02d", i)
-		h.mustExecute(t, fmt.Sprintf("scope-%d", i%3), key, Fingerprint("a"))
+		h.mustExecute(t, fmt.Sprintf("scope-%d", i%3), key, testkit.Fingerprint("a"))
 		want[key] = true
 	}
 	for i := range 10 { // declared unknown
 		key := fmt.Sprintf("unknown-%02d", i)
-		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", key, Fingerprint("a"))); err != nil {
+		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", key, testkit.Fingerprint("a"))); err != nil {
 			t.Fatal(err)
 		}
 		want[key] = true
 	}
 	h.clock.Advance(lease)
 	for i := range 5 { // still running, settled, released: not stale
-		h.mustExecute(t, "s", fmt.Sprintf("running-%d", i), Fingerprint("a"))
-		h.complete(t, h.mustExecute(t, "s", fmt.Sprintf("done-%d", i), Fingerprint("a")), okResponse("x"))
-		if err := h.eng.Release(ctx, h.mustExecute(t, "s", fmt.Sprintf("failed-%d", i), Fingerprint("a"))); err != nil {
+		h.mustExecute(t, "s", fmt.Sprintf("running-%d", i), testkit.Fingerprint("a"))
+		h.complete(t, h.mustExecute(t, "s", fmt.Sprintf("done-%d", i), testkit.Fingerprint("a")), okResponse("x"))
+		if err := h.eng.Release(ctx, h.mustExecute(t, "s", fmt.Sprintf("failed-%d", i), testkit.Fingerprint("a"))); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -802,22 +806,22 @@ func testScanFindsStaleRecords(t *testing.T, h *harness) {
 }
 
 func testScopesIsolateKeys(t *testing.T, h *harness) {
-	a := h.mustExecute(t, "tenant-a", "shared-key", Fingerprint("a"))
-	b := h.mustExecute(t, "tenant-b", "shared-key", Fingerprint("b"))
-	none := h.mustExecute(t, "", "shared-key", Fingerprint("c"))
+	a := h.mustExecute(t, "tenant-a", "shared-key", testkit.Fingerprint("a"))
+	b := h.mustExecute(t, "tenant-b", "shared-key", testkit.Fingerprint("b"))
+	none := h.mustExecute(t, "", "shared-key", testkit.Fingerprint("c"))
 	respA, respB := okResponse("for a"), okResponse("for b")
 	h.complete(t, a, respA)
-	h.expect(t, "tenant-b", "shared-key", Fingerprint("b"), idem.InFlight)
+	h.expect(t, "tenant-b", "shared-key", testkit.Fingerprint("b"), idem.InFlight)
 	h.complete(t, b, respB)
-	sameResponse(t, h.expect(t, "tenant-a", "shared-key", Fingerprint("a"), idem.Replay).Record.Response, respA)
-	sameResponse(t, h.expect(t, "tenant-b", "shared-key", Fingerprint("b"), idem.Replay).Record.Response, respB)
-	h.expect(t, "", "shared-key", Fingerprint("c"), idem.InFlight)
+	sameResponse(t, h.expect(t, "tenant-a", "shared-key", testkit.Fingerprint("a"), idem.Replay).Record.Response, respA)
+	sameResponse(t, h.expect(t, "tenant-b", "shared-key", testkit.Fingerprint("b"), idem.Replay).Record.Response, respB)
+	h.expect(t, "", "shared-key", testkit.Fingerprint("c"), idem.InFlight)
 	if err := h.eng.Release(ctx, none); err != nil {
 		t.Fatal(err)
 	}
 	// Scope and key are not concatenated: ("a:b", "c") is not ("a", "b:c").
-	h.mustExecute(t, "a:b", "c", Fingerprint("a"))
-	h.mustExecute(t, "a", "b:c", Fingerprint("a"))
+	h.mustExecute(t, "a:b", "c", testkit.Fingerprint("a"))
+	h.mustExecute(t, "a", "b:c", testkit.Fingerprint("a"))
 }
 
 func testKeysStoredAsSent(t *testing.T, h *harness) {
@@ -834,7 +838,7 @@ func testKeysStoredAsSent(t *testing.T, h *harness) {
 	}
 	scope := strings.Repeat("s", idem.MaxScopeLen)
 	for _, key := range keys {
-		l := h.mustExecute(t, scope, key, Fingerprint("a"))
+		l := h.mustExecute(t, scope, key, testkit.Fingerprint("a"))
 		h.complete(t, l, okResponse(key))
 		r := h.get(t, scope, key)
 		if r.Key != key || r.Scope != scope || string(r.Response.Body) != key {
@@ -850,22 +854,22 @@ func testInvalidInput(t *testing.T, h *harness) {
 	now := h.clock.Now()
 	tok := strings.Repeat("a", 32)
 	for name, p := range map[string]idem.BeginParams{
-		"empty key":          {Key: "", Fingerprint: Fingerprint("a")},
-		"key over 255 bytes": {Key: strings.Repeat("k", idem.MaxKeyLen+1), Fingerprint: Fingerprint("a")},
-		"key with newline":   {Key: "a\nb", Fingerprint: Fingerprint("a")},
-		"key not ASCII":      {Key: "clé", Fingerprint: Fingerprint("a")},
-		"scope over 255":     {Scope: strings.Repeat("s", idem.MaxScopeLen+1), Key: "k", Fingerprint: Fingerprint("a")},
-		"scope with NUL":     {Scope: "a\x00b", Key: "k", Fingerprint: Fingerprint("a")},
+		"empty key":          {Key: "", Fingerprint: testkit.Fingerprint("a")},
+		"key over 255 bytes": {Key: strings.Repeat("k", idem.MaxKeyLen+1), Fingerprint: testkit.Fingerprint("a")},
+		"key with newline":   {Key: "a\nb", Fingerprint: testkit.Fingerprint("a")},
+		"key not ASCII":      {Key: "clé", Fingerprint: testkit.Fingerprint("a")},
+		"scope over 255":     {Scope: strings.Repeat("s", idem.MaxScopeLen+1), Key: "k", Fingerprint: testkit.Fingerprint("a")},
+		"scope with NUL":     {Scope: "a\x00b", Key: "k", Fingerprint: testkit.Fingerprint("a")},
 		"no fingerprint":     {Key: "k"},
-		"negative lease":     {Key: "k", Fingerprint: Fingerprint("a"), Lease: -time.Second},
+		"negative lease":     {Key: "k", Fingerprint: testkit.Fingerprint("a"), Lease: -time.Second},
 	} {
 		_, err := h.eng.Begin(ctx, p)
 		wantErr(t, "Begin with "+name, err, idem.ErrInvalid)
 	}
 	errs := map[string]error{}
-	_, errs["Acquire without token"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Now: now, LeaseExpires: now.Add(lease)})
-	_, errs["Acquire with a lease already over"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now})
-	_, errs["Acquire without a time"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: Fingerprint("a"), Token: tok, LeaseExpires: now.Add(lease)})
+	_, errs["Acquire without token"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: testkit.Fingerprint("a"), Now: now, LeaseExpires: now.Add(lease)})
+	_, errs["Acquire with a lease already over"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: testkit.Fingerprint("a"), Token: tok, Now: now, LeaseExpires: now})
+	_, errs["Acquire without a time"] = h.store.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: testkit.Fingerprint("a"), Token: tok, LeaseExpires: now.Add(lease)})
 	errs["Renew without token"] = h.store.Renew(ctx, store.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
 	errs["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
 	errs["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
@@ -880,7 +884,7 @@ func testInvalidInput(t *testing.T, h *harness) {
 	for name, err := range errs {
 		wantErr(t, name, err, idem.ErrInvalid)
 	}
-	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", Fingerprint("a")), nil); !errors.Is(err, idem.ErrInvalid) {
+	if err := h.eng.Complete(ctx, h.mustExecute(t, "", "k", testkit.Fingerprint("a")), nil); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("Complete with a nil response: %v, want ErrInvalid", err)
 	}
 	if _, err := h.eng.Get(ctx, "", "k"); err != nil {
@@ -904,14 +908,14 @@ func testMissingRecord(t *testing.T, h *harness) {
 func testCanceledContext(t *testing.T, h *harness) {
 	canceled, cancel := context.WithCancel(ctx)
 	cancel()
-	_, err := h.eng.Begin(canceled, idem.BeginParams{Key: "k", Fingerprint: Fingerprint("a")})
+	_, err := h.eng.Begin(canceled, idem.BeginParams{Key: "k", Fingerprint: testkit.Fingerprint("a")})
 	wantErr(t, "Begin with a canceled context", err, context.Canceled)
 	_, err = h.eng.Get(ctx, "", "k")
 	wantErr(t, "Get after a canceled Begin", err, idem.ErrNotFound)
 }
 
 func testCheckpointsRecorded(t *testing.T, h *harness) {
-	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
+	out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: true})
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatal(out.Decision, err)
 	}
@@ -950,14 +954,14 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 	}
 	h.complete(t, l, okResponse("charged"))
 	sameCheckpoints("after completion", h.get(t, "s", "k").Checkpoints)
-	sameCheckpoints("on the replayed record", h.expect(t, "s", "k", Fingerprint("a"), idem.Replay).Record.Checkpoints)
+	sameCheckpoints("on the replayed record", h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Replay).Record.Checkpoints)
 	h.clock.Advance(retention) // expired: the key starts over, with no checkpoints
-	if out := h.begin(t, "s", "k", Fingerprint("a")); out.Decision != idem.Execute || len(out.Record.Checkpoints) != 0 || len(h.get(t, "s", "k").Checkpoints) != 0 {
+	if out := h.begin(t, "s", "k", testkit.Fingerprint("a")); out.Decision != idem.Execute || len(out.Record.Checkpoints) != 0 || len(h.get(t, "s", "k").Checkpoints) != 0 {
 		t.Fatalf("re-created over an expired record: %v with %d checkpoints", out.Decision, len(out.Record.Checkpoints))
 	}
 
 	// Unsettled records reach the reconciler with their checkpoints.
-	u := h.mustExecute(t, "s", "u", Fingerprint("a"))
+	u := h.mustExecute(t, "s", "u", testkit.Fingerprint("a"))
 	if err := h.eng.Checkpoint(ctx, u, "authorize", []byte("x")); err != nil {
 		t.Fatal(err)
 	}
@@ -977,14 +981,14 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 	}
 
 	// A re-run after a release starts with no checkpoints.
-	f := h.mustExecute(t, "s", "f", Fingerprint("a"))
+	f := h.mustExecute(t, "s", "f", testkit.Fingerprint("a"))
 	if err := h.eng.Checkpoint(ctx, f, "authorize", nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.eng.Release(ctx, f); err != nil {
 		t.Fatal(err)
 	}
-	h.mustExecute(t, "s", "f", Fingerprint("a"))
+	h.mustExecute(t, "s", "f", testkit.Fingerprint("a"))
 	if cps := h.get(t, "s", "f").Checkpoints; len(cps) != 0 {
 		t.Fatalf("re-run record kept %d checkpoints", len(cps))
 	}
@@ -993,7 +997,7 @@ func testCheckpointsRecorded(t *testing.T, h *harness) {
 func testCheckpointEndsTakeover(t *testing.T, h *harness) {
 	begin := func() idem.Outcome {
 		t.Helper()
-		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: Fingerprint("a"), TakeoverSafe: true})
+		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1014,7 +1018,7 @@ func testCheckpointEndsTakeover(t *testing.T, h *harness) {
 }
 
 func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
-	l := h.mustExecute(t, "s", "k", Fingerprint("a"))
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	forged := l
 	forged.Token = strings.Repeat("0", 32)
 	wantErr(t, "Checkpoint with a forged token", h.eng.Checkpoint(ctx, forged, "x", nil), idem.ErrLeaseLost)
@@ -1037,7 +1041,7 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	}
 	h.clock.Advance(lease) // exactly at expiry: too late
 	wantErr(t, "Checkpoint at expiry", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
-	h.expect(t, "s", "k", Fingerprint("a"), idem.Uncertain)
+	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Uncertain)
 	wantErr(t, "Checkpoint of an unknown record", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
 	h.complete(t, l, okResponse("late"))
 	wantErr(t, "Checkpoint after completion", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
@@ -1063,5 +1067,93 @@ func testDurabilityReported(t *testing.T, h *harness) {
 	second, err := r.Durability(ctx)
 	if err != nil || second != first {
 		t.Fatalf("Durability again = %+v, %v; want %+v", second, err, first)
+	}
+}
+
+// testScanCursorsAreOwn: a scan cursor continues a scan of the store that
+// made it and of no other: another store of the same kind (another schema,
+// prefix, table or file), or a cursor that is not one, gives ErrInvalid.
+func testScanCursorsAreOwn(t *testing.T, h *harness) {
+	for _, k := range []string{"a", "b"} {
+		if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "s", k, testkit.Fingerprint("x"))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first, err := h.store.Scan(ctx, store.ScanParams{Now: h.clock.Now(), Limit: 1})
+	if err != nil || len(first.Records) != 1 || first.Cursor == "" {
+		t.Fatalf("a page of one of two stale records = %+v, %v", first, err)
+	}
+	next, err := h.store.Scan(ctx, store.ScanParams{Now: h.clock.Now(), Limit: 1, Cursor: first.Cursor})
+	if err != nil || len(next.Records) != 1 || next.Records[0].Key == first.Records[0].Key {
+		t.Fatalf("the next page = %+v, %v", next, err)
+	}
+	other := h.newStore(t)
+	_, err = other.Scan(ctx, store.ScanParams{Now: h.clock.Now(), Limit: 1, Cursor: first.Cursor})
+	wantErr(t, "another store's cursor", err, idem.ErrInvalid)
+	for _, bad := range []string{"x", "!!", "AQ", store.EncodeCursor("someone else", "s", "a")} {
+		_, err := h.store.Scan(ctx, store.ScanParams{Now: h.clock.Now(), Cursor: bad})
+		wantErr(t, fmt.Sprintf("cursor %q", bad), err, idem.ErrInvalid)
+	}
+}
+
+// testScanWhileSettling: a reconciler settles what each page returns before
+// it asks for the next, the last record of the page (where the cursor
+// stands) included; every record that was stale when the scan began is still
+// returned exactly once.
+func testScanWhileSettling(t *testing.T, h *harness) {
+	const n = 50
+	want := map[string]bool{}
+	for i := range n {
+		key := fmt.Sprintf("k%02d", i)
+		l := h.mustExecute(t, "s", key, testkit.Fingerprint("x"))
+		if i%2 == 0 {
+			if err := h.eng.MarkUnknown(ctx, l); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want[key] = true
+	}
+	h.clock.Advance(lease) // the others' leases run out: stale too
+	now := h.clock.Now()
+	seen := map[string]bool{}
+	settled, cursor := 0, ""
+	for pages := 0; ; pages++ {
+		if pages > n {
+			t.Fatal("the scan does not end")
+		}
+		res, err := h.store.Scan(ctx, store.ScanParams{Now: now, Limit: 7, Cursor: cursor})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, r := range res.Records {
+			if seen[r.Key] {
+				t.Fatalf("%s returned twice", r.Key)
+			}
+			seen[r.Key] = true
+			if i%3 == 0 || i == len(res.Records)-1 {
+				testkit.Finish(t, h.store, r, now, idem.StateFailed, time.Hour)
+				settled++
+			}
+		}
+		if cursor = res.Cursor; cursor == "" {
+			break
+		}
+	}
+	if len(seen) != len(want) {
+		t.Fatalf("the scan returned %d of the %d stale records", len(seen), len(want))
+	}
+	left := 0
+	for cursor := ""; ; {
+		res, err := h.store.Scan(ctx, store.ScanParams{Now: now, Cursor: cursor})
+		if err != nil {
+			t.Fatal(err)
+		}
+		left += len(res.Records)
+		if cursor = res.Cursor; cursor == "" {
+			break
+		}
+	}
+	if left != n-settled {
+		t.Fatalf("a fresh scan found %d records; want the %d left unsettled", left, n-settled)
 	}
 }

@@ -1,0 +1,147 @@
+// Package testkit holds the helpers this module's tests share: records made
+// and settled on a store directly, notifier waits, goroutine counts, and the
+// benchmarks' measuring and their response. (Store authors need only
+// store/storetest.)
+package testkit
+
+import (
+	"context"
+	"net/http"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
+)
+
+var ctx = context.Background()
+
+// notifyWait bounds every wait for a notification.
+const notifyWait = 10 * time.Second
+
+// Fingerprint is the fingerprint of a POST /v1/charges with body, for
+// tests that call a store directly.
+func Fingerprint(body string) idem.Fingerprint {
+	return idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/v1/charges", Body: []byte(body)})
+}
+
+// Acquire acquires scope and key on s at now with a new token, failing the
+// test unless the lease is granted, and returns the record.
+func Acquire(t *testing.T, s idem.Store, scope, key string, now time.Time, lease time.Duration) idem.Record {
+	t.Helper()
+	tok, err := store.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: scope, Key: key, Fingerprint: Fingerprint("a"),
+		Token: tok, Now: now, LeaseExpires: now.Add(lease)})
+	if err != nil {
+		t.Fatalf("Acquire(%q, %q): %v", scope, key, err)
+	}
+	if r.Token != tok {
+		t.Fatalf("Acquire(%q, %q) did not grant the lease: %+v", scope, key, r)
+	}
+	return r
+}
+
+// Finish settles r on s as state at now (a COMPLETED record with a small
+// response; a terminal one kept for retention), failing the test on error.
+func Finish(t *testing.T, s idem.Store, r idem.Record, now time.Time, state idem.State, retention time.Duration) {
+	t.Helper()
+	p := idem.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: now, State: state}
+	if state == idem.StateCompleted {
+		p.Response = &idem.Response{Status: 201, Body: []byte("ok")}
+	}
+	if state.Terminal() {
+		p.Expires = now.Add(retention)
+	}
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish(%q) as %s: %v", r.Key, state, err)
+	}
+}
+
+// MustNotify notifies scope and key through n, failing the test on error.
+func MustNotify(t *testing.T, n idem.Notifier, scope, key string) {
+	t.Helper()
+	if err := n.Notify(ctx, scope, key); err != nil {
+		t.Fatalf("Notify(%q, %q): %v", scope, key, err)
+	}
+}
+
+// Woken waits for a value on ch, and fails the test if none comes within
+// ten seconds: a signal wait, not a sleep.
+func Woken(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(notifyWait):
+		t.Fatalf("%s was not woken within %v", what, notifyWait)
+	}
+}
+
+// Pending reports, without waiting, whether ch holds a wake-up.
+func Pending(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// Goroutines counts the goroutines that the calling goroutine started in
+// function fn (as runtime.Stack names it) and that are still running.
+func Goroutines(fn string) int {
+	buf := make([]byte, 64)
+	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
+	for {
+		buf = make([]byte, 2*len(buf))
+		if n := runtime.Stack(buf, true); n < len(buf) {
+			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
+		}
+	}
+}
+
+// AwaitGoroutines waits until exactly want goroutines that the calling
+// goroutine started in function fn (as runtime.Stack names it) are still
+// running, failing the test after ten seconds: how a store's test shows
+// that Close ended what a constructor started (one that has just ended may
+// still be returning).
+func AwaitGoroutines(t *testing.T, fn string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(notifyWait); Goroutines(fn) != want; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines started in %s still run, want %d", Goroutines(fn), fn, want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// BenchResponse returns the outcome every store's benchmarks store, raw ones
+// included: a small JSON charge, so that their figures compare.
+func BenchResponse() *idem.Response {
+	return &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
+}
+
+// Measure runs op under b.Loop, with the number of the iteration, and
+// reports ops/s and, when roundTrips is not nil, round trips per op (as
+// roundTrips counts them). Stores' benchmarks of their bare driver
+// operations use it, so that they report as the idem ones do.
+func Measure(b *testing.B, roundTrips func() int64, op func(i int)) {
+	var start int64
+	if roundTrips != nil {
+		start = roundTrips()
+	}
+	ops := 0
+	for b.Loop() {
+		op(ops)
+		ops++
+	}
+	if roundTrips != nil {
+		b.ReportMetric(float64(roundTrips()-start)/float64(ops), "roundtrips/op")
+	}
+	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
+}
