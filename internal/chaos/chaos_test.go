@@ -74,6 +74,9 @@ func run(t *testing.T, cfg chaos.Config) {
 				t.Logf("%s (last 3000 bytes):\n%s", name, tail(b, 3000))
 			}
 		}
+		for _, v := range rep.Violations {
+			t.Errorf("violation: %s", v) // one line each, so that CI's summary shows them
+		}
 		t.Fatalf("an invariant broke:\n%s", rep)
 	}
 	if rep.Kills == 0 || rep.ClientRepliesLost == 0 || rep.UpstreamRepliesLost == 0 {
