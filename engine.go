@@ -39,30 +39,31 @@ func (systemClock) Now() time.Time                         { return time.Now() }
 func (systemClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
 
 // Config configures an [Engine]. The zero value of every field but Store is a
-// sensible default.
+// sensible default. The fields that are data carry the names `idem proxy`
+// gives them in its YAML file, flags and IDEM_* variables.
 type Config struct {
 	// Store keeps the records. Required.
-	Store Store
+	Store Store `yaml:"-"`
 	// Clock tells the time. Defaults to the wall clock. All instances sharing
 	// a store should have clocks within a small fraction of Lease.
-	Clock Clock
+	Clock Clock `yaml:"-"`
 	// Lease is how long a lease lasts unless renewed. Defaults to
 	// [DefaultLease].
-	Lease time.Duration
+	Lease time.Duration `yaml:"lease"`
 	// Retention is how long a settled outcome is replayed. Defaults to
 	// [DefaultRetention].
-	Retention time.Duration
+	Retention time.Duration `yaml:"retention"`
 	// Notifier wakes waiters in other processes when a record is settled
 	// (see [Engine.Await]). Defaults to none: waiters in other processes
 	// poll.
-	Notifier Notifier
+	Notifier Notifier `yaml:"-"`
 	// Poll is how often [Engine.Await] looks again when nothing wakes it.
 	// Defaults to [DefaultPoll].
-	Poll time.Duration
+	Poll time.Duration `yaml:"poll"`
 	// StoreTimeout bounds each store call the engine makes for a request,
 	// retries included: past it the store counts as unreachable. Defaults
 	// to [DefaultStoreTimeout].
-	StoreTimeout time.Duration
+	StoreTimeout time.Duration `yaml:"store_timeout"`
 	// JournalDir is a directory where outcomes that the store could not take
 	// (it was unreachable when the work finished) wait, each in a file
 	// synced to disk, until the engine stores them; an engine opened on the
@@ -70,10 +71,10 @@ type Config struct {
 	// in several processes, may share one directory. Defaults to "": such
 	// outcomes wait in memory, and a crash of the process loses them (the
 	// record is then left to the reconciler).
-	JournalDir string
+	JournalDir string `yaml:"journal_dir"`
 	// Logger receives a line when an outcome has to wait in the journal and
 	// when it lands or cannot. Defaults to slog.Default().
-	Logger *slog.Logger
+	Logger *slog.Logger `yaml:"-"`
 }
 
 // DefaultStoreTimeout is how long the engine gives a store call, retries

@@ -27,6 +27,30 @@ const (
 
 var errKeyMissing = errors.New("no Idempotency-Key header")
 
+// String returns the format's name: any or uuid.
+func (f KeyFormat) String() string {
+	if f == KeyUUID {
+		return "uuid"
+	}
+	return "any"
+}
+
+// MarshalText implements encoding.TextMarshaler with the format's name.
+func (f KeyFormat) MarshalText() ([]byte, error) { return []byte(f.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler: any or uuid.
+func (f *KeyFormat) UnmarshalText(b []byte) error {
+	switch strings.ToLower(string(b)) {
+	case "any", "":
+		*f = KeyAny
+	case "uuid":
+		*f = KeyUUID
+	default:
+		return fmt.Errorf("key format %q: want any or uuid", b)
+	}
+	return nil
+}
+
 // ParseKey extracts the key from the values of the Idempotency-Key header.
 // The value is an RFC 9651 Structured Field String ("abc", with \" and \\ as
 // the only escapes) or, as Stripe's clients send it, a bare value without

@@ -69,65 +69,78 @@ const InProgressRetryAfter = time.Second
 // IETF draft asks servers to publish. It is [idem.HeaderExpires].
 const HeaderExpires = idem.HeaderExpires
 
-// Config configures a [Middleware]. Zero values are defaults.
+// Config configures a [Middleware]. Zero values are defaults. The fields
+// that are data carry the names `idem proxy` gives them in its YAML file,
+// flags and IDEM_* variables (the proxy's routes are made of this struct).
 type Config struct {
 	// Engine decides and stores. Required.
-	Engine *idem.Engine
+	Engine *idem.Engine `yaml:"-"`
 	// Methods are the methods covered; others pass straight through.
 	// Defaults to [DefaultMethods].
-	Methods []string
+	Methods []string `yaml:"methods"`
 	// RequireKey makes a covered request without a key a 400. Defaults to
 	// false: such a request passes through without protection.
-	RequireKey bool
+	RequireKey bool `yaml:"require_key"`
 	// KeyFormat restricts keys further. Defaults to [KeyAny].
-	KeyFormat KeyFormat
+	KeyFormat KeyFormat `yaml:"key_format"`
 	// Scope names the caller, so that the same key from two callers is two
 	// records and neither can replay the other's response. It must return
 	// at most 255 bytes of printable ASCII ([HashScope] makes any value so).
+	// When nil, ScopeHeaders name the caller.
+	Scope func(*http.Request) string `yaml:"-"`
+	// ScopeHeaders, when Scope is nil, name the caller by the SHA-256 of
+	// these request headers together ([HashScope]): an API key, a tenant, a
+	// connected account (Authorization and Stripe-Account).
 	//
-	// WARNING: it defaults to nil, one scope for everybody: any client that
-	// guesses or learns another client's key gets that client's response.
-	// Set it whenever more than one caller can reach the handler.
-	Scope func(*http.Request) string
+	// WARNING: with neither Scope nor ScopeHeaders, which is the default,
+	// there is one scope for everybody: any client that guesses or learns
+	// another client's key gets that client's response. Set one whenever
+	// more than one caller can reach the handler.
+	ScopeHeaders []string `yaml:"scope_headers"`
 	// CanonicalJSON fingerprints a JSON request body in its RFC 8785
 	// canonical form, so key order and whitespace do not count. A body that
 	// is not JSON is fingerprinted as sent. Defaults to false.
-	CanonicalJSON bool
+	CanonicalJSON bool `yaml:"canonical_json"`
 	// IncludeFields, when set, fingerprints only these members of a JSON
-	// body (dotted paths such as "card.last4"); ExcludeFields leaves these
-	// out (a client timestamp, say). Either implies CanonicalJSON.
-	IncludeFields, ExcludeFields []string
+	// body (dotted paths such as "card.last4"). Implies CanonicalJSON.
+	IncludeFields []string `yaml:"include_fields"`
+	// ExcludeFields leaves these members of a JSON body out of its
+	// fingerprint (a client timestamp, say). Implies CanonicalJSON.
+	ExcludeFields []string `yaml:"exclude_fields"`
 	// MaxRequestBody is the largest body accepted. Defaults to
 	// [DefaultMaxRequestBody].
-	MaxRequestBody int64
+	MaxRequestBody int64 `yaml:"max_request_body"`
 	// MaxResponseBody is the largest body stored. Defaults to
-	// [DefaultMaxResponseBody], and is never more than the store keeps
-	// (store.MaxBody).
-	MaxResponseBody int64
+	// [DefaultMaxResponseBody], and is never more than the store keeps.
+	MaxResponseBody int64 `yaml:"max_response_body"`
 	// StoreHeaders, when set, is an allowlist: only these response headers
 	// are stored and replayed. Defaults to nil: every header but
 	// Set-Cookie, Authorization, hop-by-hop headers and Date.
-	StoreHeaders []string
+	StoreHeaders []string `yaml:"store_headers"`
 	// Wait, when positive, makes a duplicate of a running request wait up
 	// to this long for the first to finish and get its replay, instead of
 	// an immediate 409. Defaults to 0.
-	Wait time.Duration
+	Wait time.Duration `yaml:"wait"`
 	// TakeoverSafe declares that the handler's effects all commit together
 	// with the record, so an expired lease may be taken over and a panic
 	// releases the key instead of making the outcome unknown. Defaults to
 	// false.
-	TakeoverSafe bool
-	// Lease and Retention override the engine's for these requests.
-	Lease, Retention time.Duration
+	TakeoverSafe bool `yaml:"takeover_safe"`
+	// Lease overrides the engine's lease for these requests. Defaults to
+	// the engine's.
+	Lease time.Duration `yaml:"lease"`
+	// Retention overrides the engine's retention for these requests.
+	// Defaults to the engine's.
+	Retention time.Duration `yaml:"retention"`
 	// FailOpen runs the handler unprotected when the store cannot be
 	// reached, instead of answering 503. Defaults to false: fail closed.
-	FailOpen bool
+	FailOpen bool `yaml:"fail_open"`
 	// Logger receives a line per problem. Keys are logged as a hash, never
 	// as sent. Defaults to slog.Default().
-	Logger *slog.Logger
+	Logger *slog.Logger `yaml:"-"`
 	// Observe, when set, is told what became of each covered request: one
 	// of the Observed* names. For metrics.
-	Observe func(r *http.Request, observed string)
+	Observe func(r *http.Request, observed string) `yaml:"-"`
 }
 
 // What [Config.Observe] is told about a covered request.
@@ -180,6 +193,9 @@ func New(cfg Config) (*Middleware, error) {
 	if len(cfg.Methods) == 0 {
 		cfg.Methods = DefaultMethods()
 	}
+	if cfg.Scope == nil && len(cfg.ScopeHeaders) > 0 {
+		cfg.Scope = HashScope(cfg.ScopeHeaders...)
+	}
 	m := &Middleware{cfg: cfg, methods: map[string]bool{}, log: cfg.Logger}
 	for _, method := range cfg.Methods {
 		m.methods[strings.ToUpper(method)] = true
@@ -201,18 +217,39 @@ func (m *Middleware) Wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next) })
 }
 
-// HashScope returns a Scope function that names the caller by the SHA-256 of
-// a request header (an API key, a tenant id, the Authorization header), so
-// that the secret itself is never stored. Requests without the header share
-// the empty scope.
-func HashScope(header string) func(*http.Request) string {
+// HashScope returns a Scope function that names the caller by the SHA-256
+// of request headers (an API key, a tenant id, the Authorization header and
+// a connected account's Stripe-Account), so that the secrets themselves are
+// never stored. Requests that carry none of them share the empty scope.
+//
+// With one header, the scope is the SHA-256 of its (first) value, as it has
+// always been, so records stay found across an upgrade.
+func HashScope(headers ...string) func(*http.Request) string {
+	if len(headers) == 1 {
+		return func(r *http.Request) string {
+			v := r.Header.Get(headers[0])
+			if v == "" {
+				return ""
+			}
+			sum := sha256.Sum256([]byte(v))
+			return hex.EncodeToString(sum[:])
+		}
+	}
 	return func(r *http.Request) string {
-		v := r.Header.Get(header)
-		if v == "" {
+		h := sha256.New()
+		seen := false
+		for _, name := range headers {
+			v := r.Header.Values(name)
+			seen = seen || len(v) > 0
+			fmt.Fprintf(h, "%d:%s%d", len(name), name, len(v))
+			for _, x := range v {
+				fmt.Fprintf(h, ":%d:%s", len(x), x)
+			}
+		}
+		if !seen {
 			return ""
 		}
-		sum := sha256.Sum256([]byte(v))
-		return hex.EncodeToString(sum[:])
+		return hex.EncodeToString(h.Sum(nil))
 	}
 }
 

@@ -11,11 +11,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"strconv"
 	"strings"
 	"time"
-
-	"go.yaml.in/yaml/v3"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/proxy"
@@ -79,93 +76,19 @@ func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer)
 	return 2
 }
 
-// setting is one configuration value, settable from the YAML file, an
-// IDEM_* environment variable and a flag, in that order of precedence
-// (the flag wins).
-type setting struct {
-	flag, env, help string
-	set             func(*proxy.Config, string) error
-}
-
-// boolFlags are the settings that are flags without a value (--require-key).
-var boolFlags = map[string]bool{"require-key": true}
-
-// flagValue holds a flag as text until the settings are applied in order.
-type flagValue struct {
-	v      string
-	isBool bool
-}
-
-func (f *flagValue) String() string     { return f.v }
-func (f *flagValue) Set(v string) error { f.v = v; return nil }
-func (f *flagValue) IsBoolFlag() bool   { return f.isBool }
-
-func duration(dst func(*proxy.Config) *time.Duration) func(*proxy.Config, string) error {
-	return func(c *proxy.Config, v string) error {
-		d, err := time.ParseDuration(v)
-		if err != nil || d < 0 {
-			return fmt.Errorf("%q is not a duration such as 30s or 24h", v)
-		}
-		*dst(c) = d
-		return nil
-	}
-}
-
-func text(dst func(*proxy.Config) *string) func(*proxy.Config, string) error {
-	return func(c *proxy.Config, v string) error { *dst(c) = v; return nil }
-}
-
-var proxySettings = []setting{
-	{"listen", "IDEM_LISTEN", "address to serve the proxied API on (default " + proxy.DefaultListen + ")",
-		text(func(c *proxy.Config) *string { return &c.Listen })},
-	{"upstream", "IDEM_UPSTREAM", "URL of the API behind the proxy (required)",
-		text(func(c *proxy.Config) *string { return &c.Upstream })},
-	{"store", "IDEM_STORE", "store DSN: sqlite:PATH, postgres://…, redis://…, memory: (default " + storeopen.Default + ")",
-		text(func(c *proxy.Config) *string { return &c.Store })},
-	{"admin-listen", "IDEM_ADMIN_LISTEN", "address for /healthz and /readyz (default off)",
-		text(func(c *proxy.Config) *string { return &c.AdminListen })},
-	{"lease", "IDEM_LEASE", "lease length, renewed while the upstream works (default 30s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.Lease })},
-	{"retention", "IDEM_RETENTION", "how long outcomes are replayed (default 24h)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.Retention })},
-	{"upstream-timeout", "IDEM_UPSTREAM_TIMEOUT", "wait for upstream response headers; past it the outcome is unknown (default 60s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.UpstreamTimeout })},
-	{"shutdown-timeout", "IDEM_SHUTDOWN_TIMEOUT", "how long SIGTERM lets in-flight requests finish (default 30s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.ShutdownTimeout })},
-	{"scope-header", "IDEM_SCOPE_HEADER", "header whose SHA-256 scopes keys per caller, or none (default " + proxy.DefaultScopeHeader + ")",
-		text(func(c *proxy.Config) *string { return &c.Defaults.ScopeHeader })},
-	{"require-key", "IDEM_REQUIRE_KEY", "answer 400 to covered requests without a key (default false)",
-		func(c *proxy.Config, v string) error {
-			b, err := strconv.ParseBool(v)
-			if err != nil {
-				return fmt.Errorf("%q is not true or false", v)
-			}
-			c.Defaults.RequireKey = &b
-			return nil
-		}},
-	{"wait", "IDEM_WAIT", "let a duplicate wait this long for the first request instead of a 409 (default 0)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.Defaults.Wait })},
-	{"store-timeout", "IDEM_STORE_TIMEOUT", "bound on each store call for a request, retries included (default 5s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.StoreTimeout })},
-	{"journal-dir", "IDEM_JOURNAL_DIR", "directory where outcomes wait while the store is unreachable, or none (default " + proxy.DefaultJournalDir + ")",
-		text(func(c *proxy.Config) *string { return &c.JournalDir })},
-	{"read-timeout", "IDEM_READ_TIMEOUT", "bound on reading a whole request, body included (default 30s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.ReadTimeout })},
-	{"write-timeout", "IDEM_WRITE_TIMEOUT", "bound from a request's headers to the end of its response; keep it above upstream-timeout + wait (default 90s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.WriteTimeout })},
-	{"idle-timeout", "IDEM_IDLE_TIMEOUT", "close a kept-alive client connection idle this long (default 60s)",
-		duration(func(c *proxy.Config) *time.Duration { return &c.IdleTimeout })},
-}
-
-// loadProxyConfig builds the configuration: the YAML file (from --config or
-// IDEM_CONFIG), then environment variables, then flags.
+// loadProxyConfig builds the configuration: the defaults, then the YAML file
+// (from --config or IDEM_CONFIG), then environment variables, then flags.
 func loadProxyConfig(args []string, env Env, stderr io.Writer) (proxy.Config, *slog.Logger, error) {
+	cfg := proxy.DefaultConfig()
+	defaults := proxy.DefaultConfig()
 	fs := flag.NewFlagSet("idem proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	values := map[string]*flagValue{}
-	for _, s := range proxySettings {
-		values[s.flag] = &flagValue{isBool: boolFlags[s.flag]}
-		fs.Var(values[s.flag], s.flag, s.help+" [$"+s.env+"]")
+	settings := proxySettings()
+	flags := make([]*flagSetting, len(settings))
+	for i, s := range settings {
+		flags[i] = &flagSetting{s: s}
+		help := settingHelp[strings.TrimPrefix(s.yaml, "defaults.")]
+		fs.Var(flags[i], s.flag, fmt.Sprintf("%s (default %s) [$%s]", help, s.show(&defaults), s.env))
 	}
 	configPath := fs.String("config", "", "YAML configuration file [$IDEM_CONFIG]")
 	logFormat := fs.String("log-format", "", "text or json (default text) [$IDEM_LOG_FORMAT]")
@@ -174,38 +97,32 @@ func loadProxyConfig(args []string, env Env, stderr io.Writer) (proxy.Config, *s
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
-		return proxy.Config{}, nil, err
+		return cfg, nil, err
 	}
 	if fs.NArg() > 0 {
-		return proxy.Config{}, nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		return cfg, nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	var cfg proxy.Config
 	if path := cmp.Or(*configPath, env("IDEM_CONFIG")); path != "" {
 		data, err := os.ReadFile(path)
 		if err != nil {
 			return cfg, nil, err
 		}
-		dec := yaml.NewDecoder(strings.NewReader(string(data)))
-		dec.KnownFields(true)
-		if err := dec.Decode(&cfg); err != nil && !errors.Is(err, io.EOF) {
+		if err := decodeProxyYAML(data, &cfg); err != nil {
 			return cfg, nil, fmt.Errorf("config %s: %w", path, err)
 		}
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	for _, s := range proxySettings {
+	for i, s := range settings {
 		if v := env(s.env); v != "" {
-			if err := s.set(&cfg, v); err != nil {
+			if err := s.set(&cfg, v, true); err != nil {
 				return cfg, nil, fmt.Errorf("$%s: %w", s.env, err)
 			}
 		}
-		if set[s.flag] {
-			if err := s.set(&cfg, values[s.flag].v); err != nil {
+		for n, v := range flags[i].values {
+			if err := s.set(&cfg, v, n == 0); err != nil {
 				return cfg, nil, fmt.Errorf("--%s: %w", s.flag, err)
 			}
 		}
 	}
-	cfg.Store = cmp.Or(cfg.Store, storeopen.Default)
 	var handler slog.Handler
 	switch f := cmp.Or(*logFormat, env("IDEM_LOG_FORMAT"), "text"); f {
 	case "text":
@@ -250,12 +167,9 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 			return 1
 		}
 	}
-	journal := cmp.Or(cfg.JournalDir, proxy.DefaultJournalDir)
-	if journal == "none" {
-		journal = ""
-	}
-	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Notifier: notifier, Lease: cfg.Lease,
-		Retention: cfg.Retention, StoreTimeout: cfg.StoreTimeout, JournalDir: journal, Logger: log})
+	engCfg := cfg.Engine
+	engCfg.Store, engCfg.Notifier, engCfg.JournalDir, engCfg.Logger = tel.Store(opened.Kind, opened.Store), notifier, cfg.JournalDir(), log
+	eng, err := idem.New(engCfg)
 	if err != nil {
 		fmt.Fprintln(stderr, "idem proxy:", err)
 		return 2

@@ -37,6 +37,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/storeopen"
 )
 
 // Defaults for [Config].
@@ -96,7 +97,8 @@ func (t Timeouts) Server(h http.Handler, log *slog.Logger) *http.Server {
 }
 
 // Config is the proxy's configuration. Flags, IDEM_* environment variables
-// and the YAML file all fill this one struct.
+// and the YAML file all fill this one struct, made of the library's own
+// configurations: the engine's and, for every route, the middleware's.
 type Config struct {
 	// Listen is the proxied address. Defaults to [DefaultListen].
 	Listen string `yaml:"listen"`
@@ -104,8 +106,8 @@ type Config struct {
 	Upstream string `yaml:"upstream"`
 	// Store is the store DSN. Defaults to storeopen.Default (sqlite:idem.db).
 	Store string `yaml:"store"`
-	// AdminListen serves /healthz, /readyz on an address of its own, so they
-	// never shadow an upstream path. Defaults to off.
+	// AdminListen serves /healthz, /readyz and /metrics on an address of
+	// its own, so they never shadow an upstream path. Defaults to off.
 	AdminListen string `yaml:"admin_listen"`
 	// UpstreamTimeout bounds the wait for the upstream's response headers;
 	// past it the outcome is unknown. Defaults to [DefaultUpstreamTimeout].
@@ -113,105 +115,58 @@ type Config struct {
 	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
 	// finish and store their outcome. Defaults to [DefaultShutdownTimeout].
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
-	// Lease and Retention are the engine's; routes may override them.
-	// Default to idem.DefaultLease and idem.DefaultRetention.
-	Lease     time.Duration `yaml:"lease"`
-	Retention time.Duration `yaml:"retention"`
-	// StoreTimeout bounds each store call made for a request, retries
-	// included. Defaults to idem.DefaultStoreTimeout.
-	StoreTimeout time.Duration `yaml:"store_timeout"`
-	// JournalDir is where outcomes wait, synced to disk, while the store
-	// cannot be reached; a restart stores what it finds there. Defaults to
-	// [DefaultJournalDir].
-	JournalDir string `yaml:"journal_dir"`
+	// Engine is the engine's configuration (lease, retention, store
+	// timeout, journal directory…); its Store and Notifier are the proxy's
+	// to make. JournalDir defaults to [DefaultJournalDir] ("none": in
+	// memory only).
+	Engine idem.Config `yaml:",inline"`
 	// Timeouts bound client connections.
 	Timeouts `yaml:",inline"`
-	// Defaults are the rules for requests that match no route.
-	Defaults Rules `yaml:"defaults"`
+	// Defaults are the rules for requests that match no route, and the
+	// rules every route starts from.
+	Defaults Route `yaml:"defaults"`
 	// Routes are matched like net/http ServeMux patterns, most specific
 	// first; each route's rules start from Defaults.
 	Routes []Route `yaml:"routes"`
 }
 
-// Route applies rules to requests matching a pattern.
+// Route applies the middleware's configuration to requests matching a
+// pattern.
 type Route struct {
 	// Match is a ServeMux pattern: "POST /v1/charges", "/v1/orders/{id}".
 	Match string `yaml:"match"`
-	Rules `yaml:",inline"`
-}
-
-// Rules are the idempotency rules for a set of requests. Unset fields (nil
-// pointers, zero durations, empty lists) inherit from [Config.Defaults].
-type Rules struct {
 	// Bypass passes requests through with no idempotency at all.
-	Bypass *bool `yaml:"bypass"`
-	// Methods covered. Defaults to POST and PATCH.
-	Methods []string `yaml:"methods"`
-	// RequireKey makes a covered request without a key a 400. Defaults to false.
-	RequireKey *bool `yaml:"require_key"`
-	// KeyFormat is "any" or "uuid". Defaults to "any".
-	KeyFormat string `yaml:"key_format"`
-	// ScopeHeader names the header whose SHA-256 scopes keys per caller;
-	// "none" disables scoping. Defaults to [DefaultScopeHeader].
-	ScopeHeader string `yaml:"scope_header"`
-	// Lease and Retention override the engine's.
-	Lease     time.Duration `yaml:"lease"`
-	Retention time.Duration `yaml:"retention"`
-	// Wait makes a duplicate wait this long for the first to finish.
-	Wait time.Duration `yaml:"wait"`
-	// TakeoverSafe: the upstream commits all effects atomically, so an
-	// expired lease may be taken over.
-	TakeoverSafe *bool `yaml:"takeover_safe"`
-	// CanonicalJSON and the field lists shape the body fingerprint.
-	CanonicalJSON *bool    `yaml:"canonical_json"`
-	IncludeFields []string `yaml:"include_fields"`
-	ExcludeFields []string `yaml:"exclude_fields"`
-	// MaxRequestBody and MaxResponseBody bound what is hashed and stored.
-	MaxRequestBody  int64 `yaml:"max_request_body"`
-	MaxResponseBody int64 `yaml:"max_response_body"`
+	Bypass bool `yaml:"bypass"`
+	// Config is the middleware's configuration; its Engine, Logger and
+	// Observe are the proxy's to set.
+	httpidem.Config `yaml:",inline"`
 }
 
-// inherit fills r's unset fields from d.
-func (r Rules) inherit(d Rules) Rules {
-	pick := func(a, b *bool) *bool {
-		if a != nil {
-			return a
-		}
-		return b
+// DefaultConfig returns the configuration the proxy starts from: every
+// default, taken from the constants that define it, so that a file, the
+// environment and flags change only what they name.
+func DefaultConfig() Config {
+	return Config{
+		Listen:          DefaultListen,
+		Store:           storeopen.Default,
+		UpstreamTimeout: DefaultUpstreamTimeout,
+		ShutdownTimeout: DefaultShutdownTimeout,
+		Engine: idem.Config{Lease: idem.DefaultLease, Retention: idem.DefaultRetention, Poll: idem.DefaultPoll,
+			StoreTimeout: idem.DefaultStoreTimeout, JournalDir: DefaultJournalDir},
+		Timeouts: Timeouts{ReadHeaderTimeout: DefaultReadHeaderTimeout, ReadTimeout: DefaultReadTimeout,
+			WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout, MaxHeaderBytes: DefaultMaxHeaderBytes},
+		Defaults: Route{Config: httpidem.Config{Methods: httpidem.DefaultMethods(), ScopeHeaders: []string{DefaultScopeHeader},
+			MaxRequestBody: httpidem.DefaultMaxRequestBody, MaxResponseBody: httpidem.DefaultMaxResponseBody}},
 	}
-	r.Bypass, r.RequireKey = pick(r.Bypass, d.Bypass), pick(r.RequireKey, d.RequireKey)
-	r.TakeoverSafe, r.CanonicalJSON = pick(r.TakeoverSafe, d.TakeoverSafe), pick(r.CanonicalJSON, d.CanonicalJSON)
-	if r.Methods == nil {
-		r.Methods = d.Methods
+}
+
+// JournalDir is the engine's journal directory: Engine.JournalDir, with
+// "none" meaning no directory.
+func (cfg Config) JournalDir() string {
+	if cfg.Engine.JournalDir == "none" {
+		return ""
 	}
-	if r.KeyFormat == "" {
-		r.KeyFormat = d.KeyFormat
-	}
-	if r.ScopeHeader == "" {
-		r.ScopeHeader = d.ScopeHeader
-	}
-	if r.Lease == 0 {
-		r.Lease = d.Lease
-	}
-	if r.Retention == 0 {
-		r.Retention = d.Retention
-	}
-	if r.Wait == 0 {
-		r.Wait = d.Wait
-	}
-	if r.IncludeFields == nil {
-		r.IncludeFields = d.IncludeFields
-	}
-	if r.ExcludeFields == nil {
-		r.ExcludeFields = d.ExcludeFields
-	}
-	if r.MaxRequestBody == 0 {
-		r.MaxRequestBody = d.MaxRequestBody
-	}
-	if r.MaxResponseBody == 0 {
-		r.MaxResponseBody = d.MaxResponseBody
-	}
-	return r
+	return cfg.Engine.JournalDir
 }
 
 // Hooks connect the proxy to telemetry; every field is optional.
@@ -224,35 +179,18 @@ type Hooks struct {
 	Metrics http.Handler
 }
 
-// middleware turns rules into the httpidem configuration.
-func (r Rules) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http.Request, string)) (*httpidem.Middleware, error) {
-	cfg := httpidem.Config{Observe: observe,
-		Engine: eng, Methods: r.Methods, RequireKey: r.RequireKey != nil && *r.RequireKey,
-		Lease: r.Lease, Retention: r.Retention, Wait: r.Wait,
-		TakeoverSafe:  r.TakeoverSafe != nil && *r.TakeoverSafe,
-		CanonicalJSON: r.CanonicalJSON != nil && *r.CanonicalJSON,
-		IncludeFields: r.IncludeFields, ExcludeFields: r.ExcludeFields,
-		MaxRequestBody: r.MaxRequestBody, MaxResponseBody: r.MaxResponseBody, Logger: log,
-	}
-	switch strings.ToLower(r.KeyFormat) {
-	case "", "any":
-	case "uuid":
-		cfg.KeyFormat = httpidem.KeyUUID
-	default:
-		return nil, fmt.Errorf("key_format %q: want any or uuid", r.KeyFormat)
-	}
-	switch h := r.ScopeHeader; {
-	case strings.EqualFold(h, "none"):
-	case h == "":
-		cfg.Scope = httpidem.HashScope(DefaultScopeHeader)
-	default:
-		cfg.Scope = httpidem.HashScope(h)
+// middleware makes the route's middleware.
+func (r Route) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http.Request, string)) (*httpidem.Middleware, error) {
+	cfg := r.Config
+	cfg.Engine, cfg.Logger, cfg.Observe = eng, log, observe
+	if len(cfg.ScopeHeaders) == 1 && strings.EqualFold(cfg.ScopeHeaders[0], "none") {
+		cfg.ScopeHeaders = nil // one scope for everybody, as asked
 	}
 	return httpidem.New(cfg)
 }
 
-// Waits reports whether any rule lets duplicates wait for the first request,
-// which is when cross-instance wake-ups are worth their cost.
+// Waits reports whether any route lets duplicates wait for the first
+// request, which is when cross-instance wake-ups are worth their cost.
 func (cfg Config) Waits() bool {
 	if cfg.Defaults.Wait > 0 {
 		return true
@@ -291,14 +229,14 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 	up := upstream(target, cmp.Or(cfg.UpstreamTimeout, DefaultUpstreamTimeout), log)
 	mux := http.NewServeMux()
 	hasRoot := false
-	add := func(pattern string, rules Rules) (err error) {
+	add := func(pattern string, rules Route) (err error) {
 		defer func() { // ServeMux panics on a bad or conflicting pattern
 			if p := recover(); p != nil {
 				err = fmt.Errorf("route %q: %v", pattern, p)
 			}
 		}()
 		var h http.Handler = up
-		if rules.Bypass == nil || !*rules.Bypass {
+		if !rules.Bypass {
 			mw, err := rules.middleware(eng, log, hooks.Observe)
 			if err != nil {
 				return fmt.Errorf("route %q: %w", pattern, err)
@@ -313,7 +251,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 			return nil, errors.New("a route has no match pattern")
 		}
 		hasRoot = hasRoot || rt.Match == "/"
-		if err := add(rt.Match, rt.Rules.inherit(cfg.Defaults)); err != nil {
+		if err := add(rt.Match, rt); err != nil {
 			return nil, err
 		}
 	}

@@ -243,14 +243,11 @@ func TestUpstreamBusyReleases(t *testing.T) {
 }
 
 func TestRoutesAndScopes(t *testing.T) {
-	yes := true
-	cfg := proxy.Config{
-		Defaults: proxy.Rules{ScopeHeader: "X-Api-Key"},
-		Routes: []proxy.Route{
-			{Match: "POST /v1/charges", Rules: proxy.Rules{RequireKey: &yes, KeyFormat: "uuid"}},
-			{Match: "/v1/webhooks/", Rules: proxy.Rules{Bypass: &yes}},
-		},
-	}
+	defaults := proxy.DefaultConfig().Defaults
+	defaults.ScopeHeaders = []string{"X-Api-Key"}
+	charges := defaults
+	charges.Match, charges.RequireKey, charges.KeyFormat = "POST /v1/charges", true, httpidem.KeyUUID
+	cfg := proxy.Config{Defaults: defaults, Routes: []proxy.Route{charges, {Match: "/v1/webhooks/", Bypass: true}}}
 	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
 		fmt.Fprintf(w, "%s run %d", r.Header.Get("X-Api-Key"), n)
 	}}
@@ -286,7 +283,7 @@ func TestBadRoutesAreRefused(t *testing.T) {
 		"bad pattern":      {Upstream: "http://x", Routes: []proxy.Route{{Match: "POST"}}},
 		"empty pattern":    {Upstream: "http://x", Routes: []proxy.Route{{}}},
 		"duplicate routes": {Upstream: "http://x", Routes: []proxy.Route{{Match: "/a"}, {Match: "/a"}}},
-		"bad key format":   {Upstream: "http://x", Defaults: proxy.Rules{KeyFormat: "ulid"}},
+		"negative wait":    {Upstream: "http://x", Defaults: proxy.Route{Config: httpidem.Config{Wait: -1}}},
 	} {
 		if _, err := proxy.Handler(cfg, eng, quiet, proxy.Hooks{}); err == nil {
 			t.Errorf("%s: accepted", name)

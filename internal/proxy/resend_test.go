@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/proxy"
 )
@@ -37,7 +38,7 @@ func TestLostUpstreamReplyIsNeverResent(t *testing.T) {
 			}
 			defer faults.Close()
 			cfg := proxy.Config{Upstream: "http://" + faults.Addr(),
-				Defaults: proxy.Rules{Methods: []string{"POST", "PUT", "PATCH", "DELETE", "GET"}}}
+				Defaults: proxy.Route{Config: httpidem.Config{Methods: []string{"POST", "PUT", "PATCH", "DELETE", "GET"}}}}
 			srv := start(t, cfg, sqliteEngine(t), nil)
 
 			send := func(key string) int {
