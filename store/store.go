@@ -47,6 +47,27 @@ type Store interface {
 	Prune(ctx context.Context, p PruneParams) (int, error)
 }
 
+// TxFinisher is implemented by stores whose records live in a database that
+// an application writes to as well (PostgreSQL, SQLite), so that a handler's
+// own writes and the record's outcome commit in one transaction.
+type TxFinisher interface {
+	// FinishTx settles a record like Finish, but inside tx, a transaction
+	// of the store's own database: a pgx.Tx for pgstore, a *sql.Tx for
+	// sqlitestore; a transaction of another kind gives ErrInvalid. It never
+	// counts a repeat as done (FinishParams.Repeat is ignored): the
+	// caller's own writes in tx must not commit twice.
+	FinishTx(ctx context.Context, tx any, p FinishParams) error
+}
+
+// Unwrap returns the store s wraps (a store that measures or logs the calls
+// of another has an Unwrap() Store method), or nil.
+func Unwrap(s Store) Store {
+	if u, ok := s.(interface{ Unwrap() Store }); ok {
+		return u.Unwrap()
+	}
+	return nil
+}
+
 // BodyLimiter is implemented by stores that cannot keep response bodies of
 // any size (DynamoDB's items are capped at 400 KB, Memcached's at 1 MB). A
 // store that implements it never fails a Finish for a body over MaxBody: it

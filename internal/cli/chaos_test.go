@@ -257,7 +257,7 @@ func runChaos(t *testing.T, store string) {
 	}
 
 	// The audit.
-	db, err := payments.NewDB(opened.Store, opened.PGPool)
+	db, err := payments.NewDB(opened.Store)
 	if err != nil {
 		t.Fatal(err)
 	}

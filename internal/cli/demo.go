@@ -50,16 +50,17 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return fail(err)
 	}
 	defer opened.Close()
-	db, err := payments.NewDB(opened.Store, opened.PGPool)
-	if err != nil {
-		return fail(err)
-	}
 	tel, err := telemetry.New(ctx, env)
 	if err != nil {
 		return fail(err)
 	}
 	defer tel.Shutdown(context.WithoutCancel(ctx))
-	eng, err := idem.New(idem.Config{Store: tel.Store(opened.Kind, opened.Store), Lease: *lease, JournalDir: *journal, Logger: log})
+	measured := tel.Store(opened.Kind, opened.Store)
+	db, err := payments.NewDB(measured)
+	if err != nil {
+		return fail(err)
+	}
+	eng, err := idem.New(idem.Config{Store: measured, Lease: *lease, JournalDir: *journal, Logger: log})
 	if err != nil {
 		return fail(err)
 	}

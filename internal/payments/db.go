@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -42,25 +43,33 @@ type Row interface{ Scan(dest ...any) error }
 var errNoRows = errors.New("payments: no rows")
 
 // NewDB returns the ledger's database for the records' store: SQLite's own
-// file, or PostgreSQL's pool (pool must be the store's).
-func NewDB(store idem.Store, pool *pgxpool.Pool) (DB, error) {
-	switch s := store.(type) {
-	case *sqlitestore.Store:
-		return sqliteDB{s}, nil
-	case *pgstore.Store:
-		if pool == nil {
-			return nil, errors.New("payments: PostgreSQL store without its pool")
-		}
-		return pgDB{store: s, pool: pool}, nil
+// file, or PostgreSQL's pool. s may be a wrapper (telemetry's): the
+// database is found under it, and records are settled through it, so those
+// settlements are measured like the rest.
+func NewDB(s idem.Store) (DB, error) {
+	fin, ok := s.(store.TxFinisher)
+	if !ok {
+		return nil, fmt.Errorf("payments: the ledger needs a store that settles records in transactions, not %T", s)
 	}
-	return nil, fmt.Errorf("payments: the ledger needs a SQLite or PostgreSQL store, not %T", store)
+	for inner := s; inner != nil; inner = store.Unwrap(inner) {
+		switch db := inner.(type) {
+		case *sqlitestore.Store:
+			return sqliteDB{db: db.DB(), fin: fin}, nil
+		case *pgstore.Store:
+			return pgDB{pool: db.Pool(), fin: fin}, nil
+		}
+	}
+	return nil, fmt.Errorf("payments: the ledger needs a SQLite or PostgreSQL store, not %T", s)
 }
 
-type sqliteDB struct{ s *sqlitestore.Store }
+type sqliteDB struct {
+	db  *sql.DB
+	fin store.TxFinisher
+}
 
 type sqliteTx struct {
-	s  *sqlitestore.Store
-	tx *sql.Tx
+	fin store.TxFinisher
+	tx  *sql.Tx
 }
 
 type sqlRow struct{ *sql.Row }
@@ -74,23 +83,23 @@ func (r sqlRow) Scan(dest ...any) error {
 }
 
 func (d sqliteDB) InTx(ctx context.Context, fn func(Tx) error) error {
-	tx, err := d.s.DB().BeginTx(ctx, nil)
+	tx, err := d.db.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
 	defer tx.Rollback()
-	if err := fn(sqliteTx{d.s, tx}); err != nil {
+	if err := fn(sqliteTx{d.fin, tx}); err != nil {
 		return err
 	}
 	return tx.Commit()
 }
 
 func (d sqliteDB) QueryRow(ctx context.Context, q string, args ...any) Row {
-	return sqlRow{d.s.DB().QueryRowContext(ctx, q, args...)}
+	return sqlRow{d.db.QueryRowContext(ctx, q, args...)}
 }
 
 func (d sqliteDB) Exec(ctx context.Context, q string, args ...any) error {
-	_, err := d.s.DB().ExecContext(ctx, q, args...)
+	_, err := d.db.ExecContext(ctx, q, args...)
 	return err
 }
 
@@ -100,17 +109,17 @@ func (t sqliteTx) Exec(ctx context.Context, q string, args ...any) error {
 }
 
 func (t sqliteTx) Finish(ctx context.Context, p idem.FinishParams) error {
-	return t.s.FinishTx(ctx, t.tx, p)
+	return t.fin.FinishTx(ctx, t.tx, p)
 }
 
 type pgDB struct {
-	store *pgstore.Store
-	pool  *pgxpool.Pool
+	pool *pgxpool.Pool
+	fin  store.TxFinisher
 }
 
 type pgTx struct {
-	store *pgstore.Store
-	tx    pgx.Tx
+	fin store.TxFinisher
+	tx  pgx.Tx
 }
 
 type pgRow struct{ pgx.Row }
@@ -144,7 +153,7 @@ func (d pgDB) InTx(ctx context.Context, fn func(Tx) error) error {
 		return err
 	}
 	defer tx.Rollback(ctx)
-	if err := fn(pgTx{d.store, tx}); err != nil {
+	if err := fn(pgTx{d.fin, tx}); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
@@ -165,5 +174,5 @@ func (t pgTx) Exec(ctx context.Context, q string, args ...any) error {
 }
 
 func (t pgTx) Finish(ctx context.Context, p idem.FinishParams) error {
-	return t.store.FinishTx(ctx, t.tx, p)
+	return t.fin.FinishTx(ctx, t.tx, p)
 }

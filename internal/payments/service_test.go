@@ -39,7 +39,7 @@ func newFixture(t *testing.T) *fixture {
 	acq := payments.NewAcquirer(false, 1)
 	acqSrv := httptest.NewServer(acq)
 	t.Cleanup(acqSrv.Close)
-	db, err := payments.NewDB(store, nil)
+	db, err := payments.NewDB(store)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -51,9 +51,6 @@ type Opened struct {
 	NewNotifier func(ctx context.Context) (idem.Notifier, error)
 	// Close releases the store's connections or file.
 	Close func() error
-	// PGPool is the PostgreSQL store's pool, for an application that keeps
-	// its own tables beside the records; nil for other stores.
-	PGPool *pgxpool.Pool
 }
 
 // closer closes a notifier, if one was started, before the store.
@@ -144,7 +141,7 @@ func openPostgres(ctx context.Context, dsn string) (*Opened, error) {
 		return nil, err
 	}
 	c := &closer{store: func() error { pool.Close(); return nil }}
-	return &Opened{Store: s, Kind: "postgres", Close: c.close, PGPool: pool, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
+	return &Opened{Store: s, Kind: "postgres", Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
 		n, err := pgstore.NewNotifier(ctx, pgstore.NotifierConfig{Pool: pool})
 		if err == nil {
 			c.notifier = n

@@ -18,6 +18,7 @@ package telemetry
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"time"
@@ -182,7 +183,22 @@ type measured struct {
 var (
 	_ idem.Store        = (*measured)(nil)
 	_ store.BodyLimiter = (*measured)(nil)
+	_ store.TxFinisher  = (*measured)(nil)
 )
+
+// Unwrap returns the measured store.
+func (s *measured) Unwrap() store.Store { return s.next }
+
+// FinishTx passes a transactional finish on to the wrapped store, measured
+// like the other operations; a store that has none gives ErrInvalid.
+func (s *measured) FinishTx(ctx context.Context, tx any, p idem.FinishParams) (err error) {
+	f, ok := s.next.(store.TxFinisher)
+	if !ok {
+		return fmt.Errorf("%w: a %s store cannot settle a record in a transaction", idem.ErrInvalid, s.name)
+	}
+	s.observe(ctx, "finish_tx", func(ctx context.Context) error { err = f.FinishTx(ctx, tx, p); return err })
+	return err
+}
 
 // MaxBody passes on the wrapped store's limit.
 func (s *measured) MaxBody() int { return store.MaxBody(s.next) }

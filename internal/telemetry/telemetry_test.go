@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -14,7 +15,9 @@ import (
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/sqlitestore"
 )
 
 func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
@@ -140,5 +143,47 @@ func TestTracesOffWhenExporterIsNone(t *testing.T) {
 	tel.Shutdown(context.Background())
 	if collector.got("idem.store.acquire") {
 		t.Fatal("spans exported with OTEL_TRACES_EXPORTER=none")
+	}
+}
+
+// TestFinishTxIsMeasured: a record settled in the application's own
+// transaction goes through the wrapper like every other store call.
+func TestFinishTxIsMeasured(t *testing.T) {
+	tel, err := telemetry.New(context.Background(), envOf(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	measured := tel.Store("sqlite", s)
+	eng, _ := idem.New(idem.Config{Store: measured})
+	out, err := eng.Begin(context.Background(), idem.BeginParams{Key: "k", Fingerprint: idem.NewFingerprint(idem.Payload{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := s.DB().BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = eng.Settle(context.Background(), out.Lease, idem.Settlement{State: idem.StateCompleted, Response: &idem.Response{Status: 201},
+		Commit: func(ctx context.Context, p idem.FinishParams) error {
+			if err := measured.(store.TxFinisher).FinishTx(ctx, tx, p); err != nil {
+				return err
+			}
+			return tx.Commit()
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if store.Unwrap(measured) != store.Store(s) {
+		t.Fatal("the wrapper does not unwrap to the store it measures")
+	}
+	rec := httptest.NewRecorder()
+	tel.Metrics().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	if !strings.Contains(rec.Body.String(), `idem_store_operation_duration_seconds_count{operation="finish_tx",result="ok",store="sqlite"} 1`) {
+		t.Fatalf("/metrics lacks the transactional finish:\n%s", rec.Body.String())
 	}
 }

@@ -104,7 +104,10 @@ import (
 	"github.com/idemhq/idem/store"
 )
 
-var _ store.Store = (*Store)(nil)
+var (
+	_ store.Store      = (*Store)(nil)
+	_ store.TxFinisher = (*Store)(nil)
+)
 
 // DefaultSchema is the schema that holds the tables when [Config.Schema] is
 // empty.
@@ -307,6 +310,11 @@ WHERE ctid = ANY (ARRAY(
 	LIMIT $2
 	FOR UPDATE SKIP LOCKED))`
 
+// Pool returns the store's connection pool, for an application that keeps
+// its own tables beside the records and settles records in its own
+// transactions ([Store.FinishTx]).
+func (s *Store) Pool() *pgxpool.Pool { return s.pool }
+
 // Acquire implements [store.Store] in one statement (see the package doc).
 //
 // Under READ COMMITTED the statement reads the existing row from its snapshot,
@@ -404,12 +412,13 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 //			}
 //			return tx.Commit(ctx)
 //		}})
-func (s *Store) FinishTx(ctx context.Context, tx pgx.Tx, p store.FinishParams) error {
-	if tx == nil {
-		return fmt.Errorf("pgstore: finish in transaction: %w: nil transaction", store.ErrInvalid)
+func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) error {
+	ptx, ok := tx.(pgx.Tx)
+	if !ok || ptx == nil {
+		return fmt.Errorf("pgstore: finish in transaction: %w: %T is not a pgx.Tx", store.ErrInvalid, tx)
 	}
 	p.Repeat = false // the caller's writes in tx must never commit twice
-	return s.finish(ctx, tx, "finish in transaction", p)
+	return s.finish(ctx, ptx, "finish in transaction", p)
 }
 
 // execer is what a pool and a transaction have in common.

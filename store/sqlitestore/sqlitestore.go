@@ -61,7 +61,10 @@ import (
 	sqlite3 "modernc.org/sqlite/lib"
 )
 
-var _ store.Store = (*Store)(nil)
+var (
+	_ store.Store      = (*Store)(nil)
+	_ store.TxFinisher = (*Store)(nil)
+)
 
 // DefaultBusyTimeout is how long a writer waits for another process's write
 // lock when [Config.BusyTimeout] is zero.
@@ -226,12 +229,16 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 //			}
 //			return tx.Commit()
 //		}})
-func (s *Store) FinishTx(ctx context.Context, tx *sql.Tx, p store.FinishParams) error {
+func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) error {
+	stx, ok := tx.(*sql.Tx)
+	if !ok || stx == nil {
+		return fmt.Errorf("%w: sqlitestore: finish in transaction: %T is not a *sql.Tx", store.ErrInvalid, tx)
+	}
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	p.Repeat = false // the caller's writes in tx must never commit twice
-	return s.update(ctx, tx, "finish", p.Scope, p.Key, p.Apply)
+	return s.update(ctx, stx, "finish", p.Scope, p.Key, p.Apply)
 }
 
 // update reads the record, applies a transition and writes it back, in tx

@@ -2,6 +2,7 @@ package sqlitestore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"path/filepath"
 	"sync"
@@ -197,5 +198,21 @@ func TestClosedStoreIsUnavailable(t *testing.T) {
 func TestOpenNeedsPath(t *testing.T) {
 	if _, err := sqlitestore.Open(ctx, sqlitestore.Config{}); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("Open without a path: %v", err)
+	}
+}
+
+// TestFinishTxNeedsItsTransaction: a transaction of another kind is refused.
+func TestFinishTxNeedsItsTransaction(t *testing.T) {
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	now := time.Now()
+	p := idem.FinishParams{Key: "k", Token: "tok", Now: now, State: idem.StateFailed, Expires: now.Add(time.Hour)}
+	for _, tx := range []any{nil, "a transaction", (*sql.Tx)(nil)} {
+		if err := s.FinishTx(context.Background(), tx, p); !errors.Is(err, idem.ErrInvalid) {
+			t.Errorf("FinishTx with %T: %v, want ErrInvalid", tx, err)
+		}
 	}
 }
