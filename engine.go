@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -418,8 +419,35 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 		return nil
 	case errors.Is(err, ErrUnavailable):
 		return e.journal.put(p, l.Fingerprint)
+	case errors.Is(err, ErrLeaseLost) && state == StateCompleted && e.adopt(ctx, l, resp):
+		return nil
 	}
 	return err
+}
+
+// adopt reports whether the record l names was settled by somebody else
+// with the outcome resp (its status and body): a reconciler that asked the
+// downstream service after this owner's lease ran out found what this owner
+// did. Then that outcome is stored, and resp takes its Idempotency-Expires,
+// so the first answer and the replays agree.
+func (e *Engine) adopt(ctx context.Context, l Lease, resp *Response) bool {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.storeTimeout)
+	defer cancel()
+	rec, err := e.store.Get(sctx, store.GetParams{Scope: l.Scope, Key: l.Key, Now: e.clock.Now()})
+	if err != nil || !sameOutcome(rec.Response, resp) || rec.State != StateCompleted || rec.Fingerprint != l.Fingerprint {
+		return false
+	}
+	resp.Header.Set(HeaderExpires, rec.Response.Header.Get(HeaderExpires))
+	if resp.Header.Get(HeaderExpires) == "" {
+		resp.Header.Set(HeaderExpires, rec.Expires.UTC().Format(http.TimeFormat))
+	}
+	return true
+}
+
+// sameOutcome reports whether two responses are the same outcome: status and
+// body (headers may differ: who stored it, when).
+func sameOutcome(a, b *Response) bool {
+	return a != nil && b != nil && a.Status == b.Status && a.BodyOmitted == b.BodyOmitted && bytes.Equal(a.Body, b.Body)
 }
 
 // Settlement is an outcome found out from outside a running request: by a

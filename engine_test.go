@@ -312,3 +312,39 @@ func TestSettleOnce(t *testing.T) {
 		t.Fatalf("the second settlement: %v, want ErrLeaseLost", err)
 	}
 }
+
+// TestCompleteAdoptsTheSameOutcome: a reconciler settled the record while
+// its owner was still finishing, and found what the owner did (the same
+// status and body): the owner's Complete then counts as stored, with the
+// record's Idempotency-Expires, so its first answer and the replays agree.
+// Another outcome stands against it: ErrLeaseLost.
+func TestCompleteAdoptsTheSameOutcome(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name       string
+		reconciled string
+		want       error
+	}{{"same", "charged", nil}, {"other", "declined", idem.ErrLeaseLost}} {
+		out, err := e.Begin(ctx, idem.BeginParams{Key: tc.name, Fingerprint: payload})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Settle(ctx, out.Record.Lease(), idem.Settlement{State: idem.StateCompleted,
+			Response: &idem.Response{Status: 201, Body: []byte(tc.reconciled)}}); err != nil {
+			t.Fatal(err)
+		}
+		resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"text/plain"}}, Body: []byte("charged")}
+		if err := e.Complete(ctx, out.Lease, resp); !errors.Is(err, tc.want) {
+			t.Fatalf("%s: Complete = %v, want %v", tc.name, err, tc.want)
+		}
+		if tc.want == nil {
+			rec, _ := e.Get(ctx, "", tc.name)
+			if got, want := resp.Header.Get(idem.HeaderExpires), rec.Response.Header.Get(idem.HeaderExpires); got != want || got == "" {
+				t.Fatalf("the owner's answer says %q, the stored outcome %q", got, want)
+			}
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -289,6 +290,8 @@ func (j *journal) land(ent *journalEntry) bool {
 	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed:
 		// A release of an acquire whose answer was lost: it had not landed,
 		// or the record has moved on. Either way nothing is blocked.
+	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted && j.e.adopt(context.Background(), Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
+		log.Info("idem journal: the record was settled meanwhile with the same outcome")
 	case errors.Is(err, ErrLeaseLost):
 		log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
 	default:
@@ -359,4 +362,18 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// cloneResponse copies r, so that adopting another's expiry leaves the
+// journaled response as it was.
+func cloneResponse(r *Response) *Response {
+	if r == nil {
+		return nil
+	}
+	c := *r
+	c.Header = r.Header.Clone()
+	if c.Header == nil {
+		c.Header = http.Header{}
+	}
+	return &c
 }
