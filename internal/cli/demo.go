@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"time"
 
@@ -65,24 +64,12 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return fail(err)
 	}
 	defer closeEngine(eng, proxy.DefaultShutdownTimeout, log)
-	servers := []*http.Server{}
+	servers := &proxy.Servers{Log: log}
+	defer servers.Shutdown(proxy.DefaultShutdownTimeout)
 	serve := func(addr string, h http.Handler) (string, error) {
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
-			return "", err
-		}
-		srv := proxy.Timeouts{}.Server(h, log)
-		servers = append(servers, srv)
-		go srv.Serve(ln)
-		return "http://" + ln.Addr().String(), nil
+		addr, err := servers.Listen(addr, h)
+		return "http://" + addr, err
 	}
-	defer func() {
-		sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		for _, s := range servers {
-			s.Shutdown(sctx)
-		}
-	}()
 	if *acquirerURL == "" {
 		if *acquirerURL, err = serve(*acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
 			return fail(err)
@@ -119,6 +106,8 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
-	<-ctx.Done()
+	if err := servers.Run(ctx, proxy.DefaultShutdownTimeout); err != nil {
+		return fail(err)
+	}
 	return 0
 }

@@ -61,6 +61,19 @@ func interleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
+// keysCommand is one subcommand of idem keys: its own flags, how many
+// positional arguments (a key) it takes, and what it does with the engine.
+type keysCommand struct {
+	flags func(fs *flag.FlagSet) func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error
+	keys  int
+}
+
+var keysCommands = map[string]keysCommand{"ls": {flags: keysLs}, "show": {flags: keysShow, keys: 1},
+	"resolve": {flags: keysResolve, keys: 1}, "purge": {flags: keysPurge}}
+
+// errUsage: the command line is wrong; the usage is shown.
+var errUsage = errors.New("usage")
+
 func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, keysUsage)
@@ -71,49 +84,54 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return 0
 	}
 	sub := args[0]
+	cmd, ok := keysCommands[sub]
+	if !ok {
+		fmt.Fprintf(stderr, "idem keys: unknown command %q\n\n%s", sub, keysUsage)
+		return 2
+	}
 	fs := flag.NewFlagSet("idem keys "+sub, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, keysUsage) }
-	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN")
-	scope := fs.String("scope", "", "the record's scope, as stored")
-	state := fs.String("state", "stale", "ls: stale (unknown, or in progress past its lease) or unknown")
-	limit := fs.Int("limit", 1000, "ls: at most this many records")
-	failed := fs.Bool("failed", false, "resolve: nothing happened; release the key")
-	completed := fs.Bool("completed", false, "resolve: it happened; store this outcome for replay")
-	status := fs.Int("status", 0, "resolve --completed: the HTTP status to replay")
-	body := fs.String("body", "", "resolve --completed: the body to replay")
-	bodyFile := fs.String("body-file", "", "resolve --completed: a file holding the body to replay")
-	force := fs.Bool("force", false, "resolve: even a record whose lease is still running")
-	before := fs.String("before", "", "purge: settled records that expired before this time")
-	header := headerFlags{}
-	fs.Var(header, "header", "resolve --completed: a header to replay, 'Name: value' (repeatable)")
+	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN [$IDEM_STORE]")
+	run := cmd.flags(fs)
 	pos, err := interleaved(fs, args[1:])
-	if err != nil {
-		return 2
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
 	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "idem keys %s: %s\n", sub, fmt.Sprintf(format, a...))
-		return 1
-	}
-	needKey := sub == "show" || sub == "resolve"
-	if needKey != (len(pos) == 1) || (!needKey && len(pos) > 0) {
-		fmt.Fprint(stderr, keysUsage)
+	if err != nil || len(pos) != cmd.keys {
+		if err == nil {
+			fmt.Fprint(stderr, keysUsage)
+		}
 		return 2
 	}
 	opened, err := storeopen.Open(ctx, *store)
 	if err != nil {
-		return fail("%v", err)
+		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
+		return 1
 	}
 	defer opened.Close()
 	eng, err := idem.New(idem.Config{Store: opened.Store})
 	if err != nil {
-		return fail("%v", err)
+		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
+		return 1
 	}
+	switch err := run(ctx, eng, pos, stdout); {
+	case errors.Is(err, errUsage):
+		fmt.Fprintf(stderr, "idem keys %s: %v\n\n%s", sub, err, keysUsage)
+		return 2
+	case err != nil:
+		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
+		return 1
+	}
+	return 0
+}
 
-	switch sub {
-	case "ls":
+func keysLs(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
+	state := fs.String("state", "stale", "stale (unknown, or in progress past its lease) or unknown")
+	limit := fs.Int("limit", 1000, "at most this many records")
+	return func(ctx context.Context, eng *idem.Engine, _ []string, stdout io.Writer) error {
 		if *state != "stale" && *state != "unknown" {
-			return fail("--state %q: want stale or unknown", *state)
+			return fmt.Errorf("%w: --state %q: want stale or unknown", errUsage, *state)
 		}
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "SCOPE\tKEY\tSTATE\tFENCE\tLEASE ENDED\tCHECKPOINTS")
@@ -121,7 +139,7 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		for shown < *limit {
 			page, err := eng.Scan(ctx, 0, cursor)
 			if err != nil {
-				return fail("%v", err)
+				return err
 			}
 			for _, r := range page.Records {
 				if (*state == "unknown" && r.State != idem.StateUnknown) || shown == *limit {
@@ -140,64 +158,85 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 			}
 		}
 		tw.Flush()
-		fmt.Fprintf(stderr, "%d record(s)\n", shown)
-		return 0
+		fmt.Fprintf(stdout, "%d record(s)\n", shown)
+		return nil
+	}
+}
 
-	case "show":
+func keysShow(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
+	scope := fs.String("scope", "", "the record's scope, as stored")
+	return func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error {
 		r, err := eng.Get(ctx, *scope, pos[0])
 		if err != nil {
-			return fail("%v", err)
+			return err
 		}
-		return printJSON(stdout, recordView(r))
+		if printJSON(stdout, recordView(r)) != 0 {
+			return errors.New("writing the record")
+		}
+		return nil
+	}
+}
 
-	case "resolve":
+func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
+	scope := fs.String("scope", "", "the record's scope, as stored")
+	failed := fs.Bool("failed", false, "nothing happened; release the key")
+	completed := fs.Bool("completed", false, "it happened; store this outcome for replay")
+	status := fs.Int("status", 0, "with --completed: the HTTP status to replay")
+	body := fs.String("body", "", "with --completed: the body to replay")
+	bodyFile := fs.String("body-file", "", "with --completed: a file holding the body to replay")
+	force := fs.Bool("force", false, "even a record whose lease is still running")
+	header := headerFlags{}
+	fs.Var(header, "header", "with --completed: a header to replay, 'Name: value' (repeatable)")
+	return func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error {
 		if *failed == *completed {
-			return fail("say --failed or --completed")
+			return fmt.Errorf("%w: say --failed or --completed", errUsage)
 		}
 		r, err := eng.Get(ctx, *scope, pos[0])
 		if err != nil {
-			return fail("%v", err)
+			return err
 		}
 		res := reconcile.Resolution{Outcome: reconcile.Failed}
 		if *completed {
 			if *status < 100 || *status > 999 {
-				return fail("--completed needs --status, an HTTP status")
+				return fmt.Errorf("%w: --completed needs --status, an HTTP status", errUsage)
 			}
 			b := []byte(*body)
 			if *bodyFile != "" {
 				if b, err = os.ReadFile(*bodyFile); err != nil {
-					return fail("%v", err)
+					return err
 				}
 			}
 			res = reconcile.Resolution{Outcome: reconcile.Completed, Response: &idem.Response{Status: *status, Header: http.Header(header), Body: b}}
 		}
 		switch err := reconcile.Resolve(ctx, eng, r, res, *force); {
 		case errors.Is(err, reconcile.ErrLeaseRunning):
-			return fail("%v; wait, or say --force", err)
+			return fmt.Errorf("%v; wait, or say --force", err)
 		case errors.Is(err, idem.ErrLeaseLost):
-			return fail("the record changed meanwhile (settled or taken over); look again with show")
+			return errors.New("the record changed meanwhile (settled or taken over); look again with show")
 		case err != nil:
-			return fail("%v", err)
+			return err
 		}
 		fmt.Fprintf(stdout, "resolved %s as %s\n", pos[0], map[bool]string{true: "failed: the next retry runs", false: "completed: retries replay it"}[*failed])
-		return 0
+		return nil
+	}
+}
 
-	case "purge":
+func keysPurge(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
+	before := fs.String("before", "", "settled records that expired before this time (RFC 3339, or a duration ago such as 72h)")
+	return func(ctx context.Context, eng *idem.Engine, _ []string, stdout io.Writer) error {
 		t, err := parseBefore(*before, time.Now())
 		if err != nil {
-			return fail("%v", err)
+			return fmt.Errorf("%w: %v", errUsage, err)
 		}
-		progress := newProgress(stderr, "purging")
+		progress := newProgress(fs.Output(), "purging")
 		total, err := eng.Prune(ctx, idem.PruneOptions{Before: t, Progress: progress.update})
 		progress.done()
 		if err != nil {
-			return fail("after %d: %v", total, err)
+			return fmt.Errorf("after %d: %w", total, err)
 		}
 		fmt.Fprintf(stdout, "purged %d settled record(s) that expired before %s\n", total, t.UTC().Format(time.RFC3339))
-		return 0
+		return nil
 	}
-	fmt.Fprint(stderr, keysUsage)
-	return 2
 }
 
 // parseBefore reads an RFC 3339 time, or a duration meaning that long ago.

@@ -372,6 +372,62 @@ func Admin(health *Health, metrics http.Handler) http.Handler {
 	return mux
 }
 
+// Servers runs HTTP servers with the same limits, and shuts them down
+// together: `idem proxy` and `idem demo` serve through it. The zero value
+// uses the default Timeouts and slog.Default().
+type Servers struct {
+	Timeouts Timeouts
+	Log      *slog.Logger
+	servers  []*http.Server
+	errs     chan error
+}
+
+// Listen serves h on addr in the background and returns the address it
+// listens on (addr may have port 0).
+func (s *Servers) Listen(addr string, h http.Handler) (string, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	if s.errs == nil {
+		s.errs = make(chan error, 8)
+	}
+	srv := s.Timeouts.Server(h, cmp.Or(s.Log, slog.Default()))
+	s.servers = append(s.servers, srv)
+	go func() {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			s.errs <- err
+		}
+	}()
+	return ln.Addr().String(), nil
+}
+
+// Run waits until ctx ends or a server fails, then shuts every server down,
+// letting requests in flight finish within timeout (their outcomes are
+// stored); it returns the failure, or what the shutdown met.
+func (s *Servers) Run(ctx context.Context, timeout time.Duration) error {
+	var failed error
+	select {
+	case failed = <-s.errs:
+	case <-ctx.Done():
+	}
+	return errors.Join(failed, s.Shutdown(timeout))
+}
+
+// Shutdown shuts every server down, letting requests in flight finish
+// within timeout.
+func (s *Servers) Shutdown(timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var first error
+	for _, srv := range s.servers {
+		if err := srv.Shutdown(ctx); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
 // Serve runs the proxy (and the admin listener, when configured) until ctx
 // is cancelled, then shuts down gracefully: in-flight requests finish and
 // store their outcome. ready, when not nil, receives the proxied address once
@@ -381,43 +437,23 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", cmp.Or(cfg.Listen, DefaultListen))
+	servers := &Servers{Timeouts: cfg.Timeouts, Log: log}
+	addr, err := servers.Listen(cmp.Or(cfg.Listen, DefaultListen), h)
 	if err != nil {
 		return err
 	}
-	srv := cfg.Timeouts.Server(h, log)
-	servers := []*http.Server{srv}
-	errs := make(chan error, 2)
 	adminAddr := ""
 	if cfg.AdminListen != "" {
-		aln, err := net.Listen("tcp", cfg.AdminListen)
-		if err != nil {
-			ln.Close()
+		if adminAddr, err = servers.Listen(cfg.AdminListen, Admin(health, hooks.Metrics)); err != nil {
+			servers.Shutdown(0)
 			return err
 		}
-		adminAddr = aln.Addr().String()
-		admin := cfg.Timeouts.Server(Admin(health, hooks.Metrics), log)
-		servers = append(servers, admin)
-		go func() { errs <- admin.Serve(aln) }()
 	}
-	go func() { errs <- srv.Serve(ln) }()
-	log.Info("idem proxy listening", "addr", ln.Addr().String(), "upstream", cfg.Upstream, "admin", adminAddr)
+	log.Info("idem proxy listening", "addr", addr, "upstream", cfg.Upstream, "admin", adminAddr)
 	if ready != nil {
-		ready(ln.Addr().String(), adminAddr)
+		ready(addr, adminAddr)
 	}
-	select {
-	case err := <-errs:
-		return err
-	case <-ctx.Done():
-	}
+	<-ctx.Done()
 	log.Info("shutting down: letting in-flight requests finish")
-	sctx, cancel := context.WithTimeout(context.Background(), cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout))
-	defer cancel()
-	var first error
-	for _, s := range servers {
-		if err := s.Shutdown(sctx); err != nil && first == nil {
-			first = err
-		}
-	}
-	return first
+	return servers.Run(ctx, cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout))
 }
