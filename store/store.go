@@ -446,3 +446,17 @@ func (r *Response) UnmarshalBinary(data []byte) error {
 	*r = Response{Status: j.Status, Header: j.Header, Body: j.Body, BodyOmitted: j.BodyOmitted}
 	return nil
 }
+
+// Ready is what every store method does first: it validates p (an error
+// wrapping [ErrInvalid]) and refuses a context that is already done (an
+// error naming the store and the operation, wrapping the context's error,
+// never [ErrUnavailable]: the caller gave up, the store did nothing wrong).
+func Ready(ctx context.Context, name, op string, p interface{ Validate() error }) error {
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%s: %s: %w", name, op, err)
+	}
+	return nil
+}

@@ -201,11 +201,8 @@ func (s *Store) update(ctx context.Context, op, pk string, e *expr, update, cond
 // A server that does not send the item back with a failed condition costs
 // one consistent GetItem more.
 func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "dynamostore", "acquire", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
 	}
 	p.Now, p.LeaseExpires = trunc(p.Now), trunc(p.LeaseExpires)
 	pk := pkOf(p.Scope, p.Key)
@@ -257,11 +254,8 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 
 // Renew implements [store.Store]: one conditional UpdateItem.
 func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "dynamostore", "renew", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("dynamostore: renew: %w", err)
 	}
 	e := newExpr()
 	now, lease := e.v(":now", avN(ms(p.Now))), e.v(":lease", avN(ms(p.LeaseExpires)))
@@ -294,11 +288,8 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 // take the record's checkpoints past [MaxCheckpointBytes] fails with an
 // error wrapping [store.ErrInvalid].
 func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "dynamostore", "checkpoint", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("dynamostore: checkpoint: %w", err)
 	}
 	pk := pkOf(p.Scope, p.Key)
 	line := store.AppendCheckpoint(nil, p.Checkpoint())
@@ -453,11 +444,8 @@ func (s *Store) markUnknown(ctx context.Context, pk string, p store.FinishParams
 // Get implements [store.Store]: one consistent GetItem. A record past its
 // expiry is not found, even while DynamoDB has not yet deleted it.
 func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "dynamostore", "get", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("dynamostore: get: %w", err)
 	}
 	pk := pkOf(p.Scope, p.Key)
 	out, err := s.client.GetItem(ctx, &dynamodb.GetItemInput{TableName: &s.table, Key: keyOf(pk), ConsistentRead: aws.Bool(true)})

@@ -540,11 +540,8 @@ func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time
 
 // Get implements [store.Store]: one round trip (gets).
 func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "memcachedstore", "get", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("memcachedstore: get: %w", err)
 	}
 	h := recordHash(p.Scope, p.Key)
 	it, err := s.client.Get(s.recordKey(h))

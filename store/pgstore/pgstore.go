@@ -326,11 +326,8 @@ func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 // contention on one key makes it give up, with [store.ErrUnavailable]. Nothing
 // was written by an attempt that returned no row.
 func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "acquire", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("pgstore: acquire: %w", err)
 	}
 	for range acquireAttempts {
 		row := s.pool.QueryRow(ctx, s.acquireSQL,
@@ -349,11 +346,8 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 
 // Renew implements [store.Store] with one UPDATE.
 func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "renew", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("pgstore: renew: %w", err)
 	}
 	tag, err := s.pool.Exec(ctx, s.renewSQL, p.Scope, p.Key, p.Token, p.Now, p.LeaseExpires)
 	if err != nil {
@@ -367,11 +361,8 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 
 // Checkpoint implements [store.Store] with one UPDATE.
 func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "checkpoint", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("pgstore: checkpoint: %w", err)
 	}
 	tag, err := s.pool.Exec(ctx, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, store.AppendCheckpoint(nil, p.Checkpoint()))
 	if err != nil {
@@ -456,11 +447,8 @@ func (s *Store) finish(ctx context.Context, db execer, op string, p store.Finish
 
 // Get implements [store.Store] with one SELECT.
 func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "get", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("pgstore: get: %w", err)
 	}
 	r, err := scanRecord(s.pool.QueryRow(ctx, s.getSQL, p.Scope, p.Key, p.Now))
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -522,11 +510,8 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 
 // Prune implements [store.Store] with one DELETE per call.
 func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "prune", p); err != nil {
 		return 0, err
-	}
-	if err := ctx.Err(); err != nil {
-		return 0, fmt.Errorf("pgstore: prune: %w", err)
 	}
 	tag, err := s.pool.Exec(ctx, s.pruneSQL, p.Now, int64(p.BatchSize()))
 	if err != nil {

@@ -353,11 +353,8 @@ return out
 // Acquire implements [store.Store]: one round trip, which also returns the
 // existing record when there is one.
 func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "acquire", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
 	}
 	rec, pending := s.keys(p.Scope, p.Key)
 	ts := "0"
@@ -382,11 +379,8 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 
 // Renew implements [store.Store]: one round trip.
 func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "renew", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("redisstore: renew: %w", err)
 	}
 	rec, pending := s.keys(p.Scope, p.Key)
 	n, err := renewScript.Run(ctx, s.client, []string{rec, pending}, p.Token, ms(p.Now), ms(p.LeaseExpires)).Int()
@@ -401,11 +395,8 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 
 // Checkpoint implements [store.Store]: one round trip.
 func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "checkpoint", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("redisstore: checkpoint: %w", err)
 	}
 	rec, _ := s.keys(p.Scope, p.Key)
 	n, err := checkpointScript.Run(ctx, s.client, []string{rec},
@@ -422,11 +413,8 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 // Finish implements [store.Store]: one round trip. A COMPLETED or FAILED
 // record gets a Redis TTL of its remaining retention (at least 1 ms).
 func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "finish", p); err != nil {
 		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("redisstore: finish: %w", err)
 	}
 	var resp []byte
 	if p.Response != nil {
@@ -458,11 +446,8 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 
 // Get implements [store.Store]: one round trip (HGETALL).
 func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "get", p); err != nil {
 		return store.Record{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.Record{}, fmt.Errorf("redisstore: get: %w", err)
 	}
 	rec, _ := s.keys(p.Scope, p.Key)
 	fields, err := s.client.HGetAll(ctx, rec).Result()
