@@ -482,15 +482,12 @@ type position struct {
 // missing, or seen as it was; the reconciler settles records with
 // conditional writes, so a stale view costs it nothing but a retry.
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "dynamostore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
 		return store.ScanResult{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.ScanResult{}, fmt.Errorf("dynamostore: scan: %w", err)
 	}
 	size := p.PageSize()
 	var res store.ScanResult

@@ -262,15 +262,12 @@ type candidate struct {
 // settled, and whose lease has ended at p.Now, are dropped from their index
 // as the scan passes them, with one compare-and-swap per index changed.
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "memcachedstore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
 		return store.ScanResult{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.ScanResult{}, fmt.Errorf("memcachedstore: scan: %w", err)
 	}
 	items, err := s.client.GetMulti(s.indexKeys[pos.shard:])
 	if err != nil {

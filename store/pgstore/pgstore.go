@@ -464,7 +464,7 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 // order of scope, then key; the cursor holds the last scope and key
 // returned ([store.EncodeCursor]).
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "pgstore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
 	afterScope, afterKey := "", ""
@@ -474,9 +474,6 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 			return store.ScanResult{}, err
 		}
 		afterScope, afterKey = f[0], f[1]
-	}
-	if err := ctx.Err(); err != nil {
-		return store.ScanResult{}, fmt.Errorf("pgstore: scan: %w", err)
 	}
 	size := int64(p.PageSize())
 	fetch := size // one more than a page tells whether another page follows

@@ -482,15 +482,12 @@ type position struct {
 // costs 2 round trips (pipelines) when nothing changes under it; see the
 // package documentation.
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
-	if err := p.Validate(); err != nil {
+	if err := store.Ready(ctx, "redisstore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
 	pos, err := s.decodeCursor(p.Cursor)
 	if err != nil {
 		return store.ScanResult{}, err
-	}
-	if err := ctx.Err(); err != nil {
-		return store.ScanResult{}, fmt.Errorf("redisstore: scan: %w", err)
 	}
 	size := p.PageSize()
 	now := ms(p.Now)
