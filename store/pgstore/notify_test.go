@@ -252,8 +252,8 @@ func ExampleNewNotifier() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	// Complete, Release and MarkUnknown notify by themselves; after a
-	// store.FinishTx transaction commits, call eng.Settled(ctx, scope, key).
+	// Complete, Release, MarkUnknown and Settle (with FinishTx in a
+	// transaction too) notify by themselves.
 
 	out, err := eng.Await(ctx, idem.BeginParams{
 		Key:         "order-7",
