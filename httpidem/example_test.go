@@ -2,6 +2,7 @@ package httpidem_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -39,7 +40,17 @@ func Example() {
 		w := httptest.NewRecorder()
 		handler.ServeHTTP(w, r)
 		b, _ := io.ReadAll(w.Body)
-		fmt.Println(w.Code, w.Header().Get("Idempotent-Replayed"), strings.TrimSpace(string(b)))
+		if w.Header().Get("Content-Type") != "application/problem+json" {
+			fmt.Println(w.Code, w.Header().Get("Idempotent-Replayed"), strings.TrimSpace(string(b)))
+			return
+		}
+		var p struct {
+			Type  string
+			Error struct{ Type, Code string }
+		}
+		json.Unmarshal(b, &p)
+		_, kind, _ := strings.Cut(p.Type, "#")
+		fmt.Println(w.Code, kind, p.Error.Type, p.Error.Code, "retry:", w.Header().Get("Stripe-Should-Retry"))
 	}
 	post("k1", `{"amount":100}`)
 	post("k1", `{"amount":100}`) // the retry: replayed, not charged again
@@ -49,8 +60,8 @@ func Example() {
 	// Output:
 	// 201  {"id":"ch_1"}
 	// 201 true {"id":"ch_1"}
-	// 422  {"type":"https://github.com/idemhq/idem/blob/main/docs/problems.md#payload-mismatch","title":"Idempotency-Key reused with a different payload","status":422,"detail":"this key was first used with a request that differs in body","differs":["body"]}
-	// 400  {"type":"https://github.com/idemhq/idem/blob/main/docs/problems.md#key-missing","title":"Idempotency-Key required","status":400,"detail":"POST /v1/charges requires an Idempotency-Key header"}
+	// 422 payload-mismatch idempotency_error idempotency_key_reused retry: false
+	// 400 key-missing invalid_request_error idempotency_key_missing retry: false
 	// charges: 1
 }
 

@@ -58,8 +58,21 @@ const (
 	DefaultMaxResponseBody = 1 << 20
 )
 
-// DefaultMethods returns the methods covered when [Config.Methods] is empty.
-func DefaultMethods() []string { return []string{http.MethodPost, http.MethodPatch} }
+// DefaultMethods returns the methods covered when [Config.Methods] is empty:
+// every unsafe method, as Stripe's SDKs send a key on each of them.
+func DefaultMethods() []string {
+	return []string{http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete}
+}
+
+// DefaultWait is how long a duplicate of a running request waits for the
+// first to finish, when [Config.Wait] is zero.
+const DefaultWait = 5 * time.Second
+
+// HeaderIgnored is set on the answer to a request that carries an
+// Idempotency-Key the middleware does not honour (its method is not
+// covered): the request ran, without idempotency, and the header says why.
+// A key is never ignored silently.
+const HeaderIgnored = "Idempotent-Ignored"
 
 // InProgressRetryAfter is the Retry-After of a 409 in-progress answer.
 const InProgressRetryAfter = time.Second
@@ -117,9 +130,12 @@ type Config struct {
 	// are stored and replayed. Defaults to nil: every header but
 	// Set-Cookie, Authorization, hop-by-hop headers and Date.
 	StoreHeaders []string `yaml:"store_headers"`
-	// Wait, when positive, makes a duplicate of a running request wait up
-	// to this long for the first to finish and get its replay, instead of
-	// an immediate 409. Defaults to 0.
+	// Wait is how long a duplicate of a running request waits for the first
+	// to finish, to get its replay; a duplicate whose wait runs out gets
+	// 409 in-progress. Clients seldom honour Retry-After (Stripe's SDKs
+	// give up after a second or two), so waiting is what lets a duplicate of
+	// a slow request succeed. Defaults to [DefaultWait]; negative answers
+	// 409 at once.
 	Wait time.Duration `yaml:"wait"`
 	// TakeoverSafe declares that the handler's effects all commit together
 	// with the record, so an expired lease may be taken over and a panic
@@ -179,11 +195,14 @@ func New(cfg Config) (*Middleware, error) {
 	if cfg.Engine == nil {
 		return nil, fmt.Errorf("%w: httpidem: config has no engine", idem.ErrInvalid)
 	}
-	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 || cfg.Wait < 0 || cfg.Lease < 0 || cfg.Retention < 0 {
+	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 || cfg.Lease < 0 || cfg.Retention < 0 {
 		return nil, fmt.Errorf("%w: httpidem: negative limit or duration", idem.ErrInvalid)
 	}
 	if cfg.MaxRequestBody == 0 {
 		cfg.MaxRequestBody = DefaultMaxRequestBody
+	}
+	if cfg.Wait == 0 {
+		cfg.Wait = DefaultWait
 	}
 	if cfg.MaxResponseBody == 0 {
 		cfg.MaxResponseBody = DefaultMaxResponseBody
@@ -356,6 +375,9 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	if !m.methods[r.Method] {
+		if len(r.Header.Values(HeaderKey)) > 0 {
+			w.Header().Set(HeaderIgnored, r.Method+" is not covered here: the request ran without idempotency")
+		}
 		next.ServeHTTP(w, r)
 		return
 	}

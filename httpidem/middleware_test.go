@@ -5,10 +5,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -217,18 +220,21 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	io.WriteString(w, "done")
 }
 
+// TestConcurrentDuplicateConflicts: with waiting off, a duplicate of a
+// running request gets 409 in-progress at once, asked to retry.
 func TestConcurrentDuplicateConflicts(t *testing.T) {
 	forEachStore(t, func(t *testing.T, store idem.Store) {
 		g := newGate()
 		a := &app{handler: g.ServeHTTP}
-		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store), Wait: -1}, a)
 		first := make(chan reply)
 		go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
 		wait.Recv(t, g.started, 10*time.Second, "the handler to start")
 		r := send(t, srv, "POST", "/pay", "k", "x")
 		wantProblem(t, r, 409, httpidem.ProblemInProgress)
-		if r.header.Get("Retry-After") != "1" {
-			t.Fatalf("409 in progress with Retry-After %q, want 1", r.header.Get("Retry-After"))
+		if r.header.Get("Retry-After") != "1" || r.header.Get(httpidem.HeaderShouldRetry) != "true" {
+			t.Fatalf("409 in progress with Retry-After %q, Stripe-Should-Retry %q; want 1 and true",
+				r.header.Get("Retry-After"), r.header.Get(httpidem.HeaderShouldRetry))
 		}
 		close(g.release)
 		if got := wait.Recv(t, first, 10*time.Second, "the first request's answer"); got.status != 201 {
@@ -667,8 +673,8 @@ func TestNewValidates(t *testing.T) {
 	if _, err := httpidem.New(httpidem.Config{}); err == nil {
 		t.Fatal("New without an engine succeeded")
 	}
-	if _, err := httpidem.New(httpidem.Config{Engine: newEngine(t, memstore.New()), Wait: -1}); err == nil {
-		t.Fatal("New with a negative wait succeeded")
+	if _, err := httpidem.New(httpidem.Config{Engine: newEngine(t, memstore.New()), MaxRequestBody: -1}); err == nil {
+		t.Fatal("New with a negative body limit succeeded")
 	}
 }
 
@@ -734,4 +740,73 @@ func TestStoreBodyLimitCapsWhatIsKept(t *testing.T) {
 		t.Fatalf("first answer %q", r.body)
 	}
 	wantProblem(t, send(t, srv, "POST", "/pay", "k", "x"), 409, httpidem.ProblemNotReplayable)
+}
+
+// TestProblemsSpeakStripe: every problem says whether to retry
+// (Stripe-Should-Retry), and a final one also carries a Stripe-style
+// "error" member, so that Stripe's SDKs raise a typed error instead of
+// retrying; one worth retrying carries none, so that they retry it.
+func TestProblemsSpeakStripe(t *testing.T) {
+	final := map[string]string{
+		httpidem.ProblemKeyMissing:        "invalid_request_error",
+		httpidem.ProblemKeyInvalid:        "invalid_request_error",
+		httpidem.ProblemRequestTooLarge:   "invalid_request_error",
+		httpidem.ProblemPayloadMismatch:   "idempotency_error",
+		httpidem.ProblemUncertain:         "idempotency_error",
+		httpidem.ProblemNotReplayable:     "idempotency_error",
+		httpidem.ProblemIdempotencyFailed: "api_error",
+	}
+	retry := []string{httpidem.ProblemInProgress, httpidem.ProblemStoreUnavailable, httpidem.ProblemUpstreamFailed, httpidem.ProblemRequestUnreadable}
+	for _, typ := range append(retry, slices.Collect(maps.Keys(final))...) {
+		w := httptest.NewRecorder()
+		(&httpidem.Problem{Type: typ, Title: "t", Status: 409, Detail: "d"}).Write(w)
+		var body struct {
+			Type  string
+			Error *struct{ Type, Code, Message string }
+		}
+		if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || body.Type != typ {
+			t.Fatalf("%s: body %q, %v", typ, w.Body, err)
+		}
+		want, isFinal := final[typ]
+		if got := w.Header().Get(httpidem.HeaderShouldRetry); got != strconv.FormatBool(!isFinal) {
+			t.Errorf("%s: Stripe-Should-Retry %q", typ, got)
+		}
+		switch {
+		case isFinal && (body.Error == nil || body.Error.Type != want || body.Error.Code == "" || body.Error.Message != "t: d"):
+			t.Errorf("%s: error member %+v, want type %s with a code and the message", typ, body.Error, want)
+		case !isFinal && body.Error != nil:
+			t.Errorf("%s: a problem worth retrying carries an error member %+v", typ, body.Error)
+		}
+	}
+}
+
+// TestIgnoredKeyIsSaid: a key on a request whose method is not covered is
+// not honoured, and the answer says so.
+func TestIgnoredKeyIsSaid(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), Methods: []string{"POST"}}, a)
+	r := send(t, srv, "DELETE", "/pay", "k", "")
+	if r.status != 201 || !strings.Contains(r.header.Get(httpidem.HeaderIgnored), "DELETE is not covered") {
+		t.Fatalf("a keyed DELETE on a POST-only route: %d, %s %q", r.status, httpidem.HeaderIgnored, r.header.Get(httpidem.HeaderIgnored))
+	}
+	if r := send(t, srv, "DELETE", "/pay", "", ""); r.header.Get(httpidem.HeaderIgnored) != "" {
+		t.Fatal("a request without a key was told its key was ignored")
+	}
+}
+
+// TestUnsafeMethodsCoveredByDefault: POST, PUT, PATCH and DELETE carry keys
+// (Stripe's SDKs send one on each); all four are covered by default.
+func TestUnsafeMethodsCoveredByDefault(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	for _, m := range []string{"POST", "PUT", "PATCH", "DELETE"} {
+		first := send(t, srv, m, "/pay", "k-"+m, "")
+		again := send(t, srv, m, "/pay", "k-"+m, "")
+		if again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("%s: the retry got %q (replayed %q), want the replay of %q", m, again.body, again.header.Get("Idempotent-Replayed"), first.body)
+		}
+	}
+	if a.runs.Load() != 4 {
+		t.Fatalf("ran %d times, want 4", a.runs.Load())
+	}
 }

@@ -23,10 +23,50 @@ const (
 	ProblemUncertain         = ProblemBase + "operation-uncertain"
 	ProblemNotReplayable     = ProblemBase + "response-not-replayable"
 	ProblemStoreUnavailable  = ProblemBase + "store-unavailable"
+	ProblemUpstreamFailed    = ProblemBase + "upstream-failed"
 	ProblemIdempotencyFailed = ProblemBase + "internal"
 )
 
-// Problem is an RFC 9457 problem detail.
+// HeaderShouldRetry says whether a client should send the request again
+// (with the same key): "true" or "false", on every problem. Stripe's SDKs
+// read it (stripe-node, stripe-php, stripe-go).
+const HeaderShouldRetry = "Stripe-Should-Retry"
+
+// kinds says, for each problem type, whether a retry can change the answer,
+// and how a Stripe-style client names the final ones: the type and code of
+// the "error" member that Stripe's SDKs turn into a typed error. A problem
+// that asks for a retry has no "error" member, so that those SDKs retry it.
+var kinds = map[string]struct {
+	retry      bool
+	stripeType string
+	code       string
+}{
+	ProblemKeyMissing:        {false, "invalid_request_error", "idempotency_key_missing"},
+	ProblemKeyInvalid:        {false, "invalid_request_error", "idempotency_key_invalid"},
+	ProblemRequestTooLarge:   {false, "invalid_request_error", "request_too_large"},
+	ProblemRequestUnreadable: {true, "", ""},
+	ProblemPayloadMismatch:   {false, "idempotency_error", "idempotency_key_reused"},
+	ProblemInProgress:        {true, "", ""},
+	ProblemUncertain:         {false, "idempotency_error", "idempotency_outcome_unknown"},
+	ProblemNotReplayable:     {false, "idempotency_error", "idempotency_response_not_replayable"},
+	ProblemStoreUnavailable:  {true, "", ""},
+	ProblemUpstreamFailed:    {true, "", ""},
+	ProblemIdempotencyFailed: {false, "api_error", "idempotency_internal"},
+}
+
+// stripeError is the "error" member of a final problem, in the shape of
+// Stripe's API errors.
+type stripeError struct {
+	Type    string `json:"type"`
+	Code    string `json:"code"`
+	Message string `json:"message"`
+	DocURL  string `json:"doc_url"`
+}
+
+// Problem is an RFC 9457 problem detail. Written, a final one (a retry
+// would get the same answer) also carries a Stripe-compatible "error" member
+// and Stripe-Should-Retry: false; one worth retrying carries
+// Stripe-Should-Retry: true and no "error" member.
 type Problem struct {
 	Type   string `json:"type"`
 	Title  string `json:"title"`
@@ -39,14 +79,32 @@ type Problem struct {
 	OriginalStatus int `json:"original_status,omitempty"`
 	// RetryAfter, when set, is also sent as the Retry-After header.
 	RetryAfter time.Duration `json:"-"`
+	// Error is the Stripe-compatible member, set by Write for final
+	// problems.
+	Error *stripeError `json:"error,omitempty"`
 }
+
+// Retry reports whether sending the request again, with the same key, may
+// get another answer.
+func (p *Problem) Retry() bool { return kinds[p.Type].retry }
 
 // Write sends p as application/problem+json.
 func (p *Problem) Write(w http.ResponseWriter) {
-	body, _ := json.Marshal(p)
+	k, known := kinds[p.Type]
+	out := *p
+	if known && !k.retry {
+		msg := p.Title
+		if p.Detail != "" {
+			msg += ": " + p.Detail
+		}
+		out.Error = &stripeError{Type: k.stripeType, Code: k.code, Message: msg, DocURL: p.Type}
+	}
+	body, _ := json.Marshal(&out)
+	body = append(body, '\n')
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set(HeaderShouldRetry, strconv.FormatBool(!known || k.retry))
 	if p.RetryAfter > 0 {
 		h.Set("Retry-After", strconv.Itoa(int((p.RetryAfter+time.Second-1)/time.Second)))
 	}

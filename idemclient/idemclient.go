@@ -1,13 +1,14 @@
 // Package idemclient is the caller's side of the idempotency contract: an
-// [http.RoundTripper] that gives every POST and PATCH an Idempotency-Key and
-// retries it safely.
+// [http.RoundTripper] that gives every POST, PUT, PATCH and DELETE an
+// Idempotency-Key and retries it safely.
 //
 //	client := &http.Client{Transport: idemclient.New(idemclient.Config{})}
 //	resp, err := client.Post(url, "application/json", body)
 //
 // Every attempt of one request carries the same key, so the server runs it
-// once however often the network fails. It retries on network errors, 409
-// in-progress, 429, 502, 503 and 504, honouring Retry-After, with capped
+// once however often the network fails. It retries what the server's
+// Stripe-Should-Retry header says to retry and, without one, network errors,
+// 409 in-progress, 429, 502, 503 and 504, honouring Retry-After, with capped
 // exponential backoff and full jitter, within a limit on attempts and on
 // total time, and stops when the request's context ends. It never retries a
 // request without a key (nothing would make the retry safe), nor 400, 422,
@@ -48,7 +49,9 @@ const (
 )
 
 // DefaultMethods returns the methods that get a key when they have none.
-func DefaultMethods() []string { return []string{http.MethodPost, http.MethodPatch} }
+func DefaultMethods() []string {
+	return []string{http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete}
+}
 
 // Config configures a [Transport]. Zero values are defaults.
 type Config struct {
@@ -188,9 +191,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 
 // retryable reports whether an attempt's result may be retried with the
 // same key.
+//
+// The server's Stripe-Should-Retry header decides when present (idem sends it
+// on every problem; so do Stripe's API and APIs modelled on it); otherwise
+// the status, and for a 409 the problem type, do.
 func retryable(resp *http.Response, err error) bool {
 	if err != nil {
 		return !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+	}
+	switch resp.Header.Get("Stripe-Should-Retry") {
+	case "true":
+		return true
+	case "false":
+		return false
 	}
 	switch resp.StatusCode {
 	case http.StatusTooManyRequests, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:

@@ -55,7 +55,7 @@ var settingHelp = map[string]string{
 	"max_request_body":    "the largest request body accepted, in bytes",
 	"max_response_body":   "the largest response body stored for replay, in bytes",
 	"store_headers":       "store and replay only these response headers (repeatable; default all but credentials and hop-by-hop)",
-	"wait":                "let a duplicate wait this long for the first request instead of a 409",
+	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
 	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503",
 }
@@ -114,7 +114,7 @@ func (s setting) set(cfg *proxy.Config, v string, reset bool) error {
 	switch {
 	case f.Type() == reflect.TypeFor[time.Duration]():
 		d, err := time.ParseDuration(v)
-		if err != nil || d < 0 {
+		if err != nil {
 			return fmt.Errorf("%q is not a duration such as 30s or 24h", v)
 		}
 		f.SetInt(int64(d))

@@ -156,7 +156,7 @@ func DefaultConfig() Config {
 		Timeouts: Timeouts{ReadHeaderTimeout: DefaultReadHeaderTimeout, ReadTimeout: DefaultReadTimeout,
 			WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout, MaxHeaderBytes: DefaultMaxHeaderBytes},
 		Defaults: Route{Config: httpidem.Config{Methods: httpidem.DefaultMethods(), ScopeHeaders: []string{DefaultScopeHeader},
-			MaxRequestBody: httpidem.DefaultMaxRequestBody, MaxResponseBody: httpidem.DefaultMaxResponseBody}},
+			MaxRequestBody: httpidem.DefaultMaxRequestBody, MaxResponseBody: httpidem.DefaultMaxResponseBody, Wait: httpidem.DefaultWait}},
 	}
 }
 
@@ -189,14 +189,25 @@ func (r Route) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http
 	return httpidem.New(cfg)
 }
 
+// bypassed marks the answer to a keyed request on a bypassed route: its key
+// was not honoured (see httpidem.HeaderIgnored).
+func bypassed(up http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.Header.Values(httpidem.HeaderKey)) > 0 {
+			w.Header().Set(httpidem.HeaderIgnored, "this route bypasses idempotency: the request ran without it")
+		}
+		up.ServeHTTP(w, r)
+	})
+}
+
 // Waits reports whether any route lets duplicates wait for the first
 // request, which is when cross-instance wake-ups are worth their cost.
 func (cfg Config) Waits() bool {
-	if cfg.Defaults.Wait > 0 {
+	if cfg.Defaults.Wait >= 0 {
 		return true
 	}
 	for _, r := range cfg.Routes {
-		if r.Wait > 0 {
+		if r.Wait >= 0 && !r.Bypass {
 			return true
 		}
 	}
@@ -235,7 +246,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 				err = fmt.Errorf("route %q: %v", pattern, p)
 			}
 		}()
-		var h http.Handler = up
+		var h http.Handler = bypassed(up)
 		if !rules.Bypass {
 			mw, err := rules.middleware(eng, log, hooks.Observe)
 			if err != nil {
@@ -306,7 +317,7 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 				httpidem.NothingHappened(r)
 				log.Warn("upstream unreachable: request not sent, key released", "err", err)
 			}
-			(&httpidem.Problem{Type: httpidem.ProblemBase + "upstream-failed", Title: "Upstream failed", Status: status,
+			(&httpidem.Problem{Type: httpidem.ProblemUpstreamFailed, Title: "Upstream failed", Status: status,
 				Detail: "the upstream did not answer"}).Write(w)
 		},
 	}

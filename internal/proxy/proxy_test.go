@@ -283,7 +283,7 @@ func TestBadRoutesAreRefused(t *testing.T) {
 		"bad pattern":      {Upstream: "http://x", Routes: []proxy.Route{{Match: "POST"}}},
 		"empty pattern":    {Upstream: "http://x", Routes: []proxy.Route{{}}},
 		"duplicate routes": {Upstream: "http://x", Routes: []proxy.Route{{Match: "/a"}, {Match: "/a"}}},
-		"negative wait":    {Upstream: "http://x", Defaults: proxy.Route{Config: httpidem.Config{Wait: -1}}},
+		"negative lease":   {Upstream: "http://x", Defaults: proxy.Route{Config: httpidem.Config{Lease: -1}}},
 	} {
 		if _, err := proxy.Handler(cfg, eng, quiet, proxy.Hooks{}); err == nil {
 			t.Errorf("%s: accepted", name)
