@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"testing"
 )
 
@@ -19,7 +20,11 @@ func Main(m *testing.M, bin *string) {
 		os.Exit(1)
 	}
 	*bin = filepath.Join(dir, "idem")
-	build := exec.Command("go", "build", "-o", *bin, "github.com/idemhq/idem/cmd/idem")
+	// Built in idem's own module, whichever module's tests call this (the
+	// interop tests are a module of their own).
+	_, self, _, _ := runtime.Caller(0)
+	build := exec.Command("go", "build", "-o", *bin, "./cmd/idem")
+	build.Dir = filepath.Join(filepath.Dir(self), "..", "..")
 	build.Stderr = os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "building idem:", err)
