@@ -106,7 +106,7 @@ type Config struct {
 	// the last time it could not reach the store: owners that kept their
 	// outcomes in their journals while the store was away then have a whole
 	// grace to store them themselves, before the resolver is asked. Defaults
-	// to [DefaultGrace].
+	// to [DefaultGrace]; negative means none.
 	Grace time.Duration
 	// Interval is the time between passes under Start. Defaults to
 	// [DefaultInterval].
@@ -138,11 +138,14 @@ func New(cfg Config) (*Reconciler, error) {
 	if cfg.Engine == nil || cfg.Resolver == nil {
 		return nil, fmt.Errorf("%w: reconcile: config needs an engine and a resolver", idem.ErrInvalid)
 	}
-	if cfg.Grace < 0 || cfg.Interval < 0 || cfg.PageSize < 0 {
-		return nil, fmt.Errorf("%w: reconcile: negative grace, interval or page size", idem.ErrInvalid)
+	if cfg.Interval < 0 || cfg.PageSize < 0 {
+		return nil, fmt.Errorf("%w: reconcile: negative interval or page size", idem.ErrInvalid)
 	}
-	if cfg.Grace == 0 {
+	switch {
+	case cfg.Grace == 0:
 		cfg.Grace = DefaultGrace
+	case cfg.Grace < 0:
+		cfg.Grace = 0
 	}
 	if cfg.Interval == 0 {
 		cfg.Interval = DefaultInterval

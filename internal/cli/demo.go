@@ -87,7 +87,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return fail(err)
 	}
-	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: *grace, Interval: *every, Logger: log, OnPass: tel.OnPass})
+	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: graceOf(*grace), Interval: *every, Logger: log, OnPass: tel.OnPass})
 	if err != nil {
 		return fail(err)
 	}

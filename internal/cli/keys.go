@@ -342,7 +342,7 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		fmt.Fprintln(stderr, "idem reconcile:", err)
 		return 1
 	}
-	r, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: reconcile.HTTPResolver{URL: *url}, Grace: *grace, Interval: *every,
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: reconcile.HTTPResolver{URL: *url}, Grace: graceOf(*grace), Interval: *every,
 		Logger: slog.New(slog.NewTextHandler(stderr, nil))})
 	if err != nil {
 		fmt.Fprintln(stderr, "idem reconcile:", err)
@@ -397,4 +397,13 @@ func (p *progress) done() {
 	if p.tty && !p.last.IsZero() {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
+}
+
+// graceOf is a --grace flag as reconcile.Config takes it: 0 means none
+// (reconcile's zero means its default).
+func graceOf(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }

@@ -170,4 +170,22 @@ func TestReconcileCommand(t *testing.T) {
 	if code, _, _ := run(t, "reconcile", "--once", "--store", dsn); code != 2 {
 		t.Fatal("reconcile without a resolver URL accepted")
 	}
+
+	// A lease that ran out a second ago: inside the default grace, not
+	// inside --grace 0s, which means none.
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: strings.TrimPrefix(dsn, "sqlite:")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	recent, _ := idem.New(idem.Config{Store: s, Clock: storetest.NewClock(time.Now().Add(-31 * time.Second))})
+	if _, err := recent.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "just-expired", Fingerprint: fp}); err != nil {
+		t.Fatal(err)
+	}
+	if code, out, _ := run(t, "reconcile", "--once", "--store", dsn, "--resolver-url", resolver.URL); code != 0 || !strings.Contains(out, "completed 0, failed 0") {
+		t.Fatalf("reconcile --once inside the default grace: %d %q", code, out)
+	}
+	if code, out, _ := run(t, "reconcile", "--once", "--grace", "0s", "--store", dsn, "--resolver-url", resolver.URL); code != 0 || !strings.Contains(out, "failed 1") {
+		t.Fatalf("reconcile --once --grace 0s: %d %q; want the record settled at once", code, out)
+	}
 }

@@ -17,6 +17,7 @@ import (
 	"context"
 	"fmt"
 	"net/url"
+	"regexp"
 	"strings"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -84,8 +85,45 @@ func kindOf(scheme string) string {
 // dynamoMaxBody is the DynamoDB store's body limit.
 const dynamoMaxBody = dynamostore.MaxBodyBytes
 
-// Open opens the store named by dsn.
+// Open opens the store named by dsn. Its errors never hold the DSN's
+// password, even for a DSN that does not parse.
 func Open(ctx context.Context, dsn string) (*Opened, error) {
+	o, err := open(ctx, dsn)
+	if err != nil {
+		return nil, scrub(err, dsn)
+	}
+	return o, nil
+}
+
+// password finds the password of a URL-shaped DSN without parsing it, since
+// a DSN that does not parse is precisely when a driver's error echoes it.
+var password = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:([^@]*)@`)
+
+// scrubbed is an error whose message has had a secret taken out; it
+// unwraps to the original, for errors.Is.
+type scrubbed struct {
+	msg string
+	err error
+}
+
+func (e *scrubbed) Error() string { return e.msg }
+func (e *scrubbed) Unwrap() error { return e.err }
+
+// scrub takes dsn's password, as written and as decoded, out of err's
+// message.
+func scrub(err error, dsn string) error {
+	m := password.FindStringSubmatch(dsn)
+	if m == nil || m[1] == "" {
+		return err
+	}
+	msg := strings.ReplaceAll(err.Error(), m[1], "xxxxx")
+	if dec, derr := url.PathUnescape(m[1]); derr == nil && dec != "" {
+		msg = strings.ReplaceAll(msg, dec, "xxxxx")
+	}
+	return &scrubbed{msg: msg, err: err}
+}
+
+func open(ctx context.Context, dsn string) (*Opened, error) {
 	scheme, rest, _ := strings.Cut(dsn, ":")
 	switch scheme {
 	case "memory", "mem":
