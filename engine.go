@@ -394,11 +394,7 @@ func (e *Engine) finishParams(l Lease, state State, resp *Response) FinishParams
 	now := e.clock.Now()
 	p := FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, State: state, Response: resp}
 	if state.Terminal() {
-		retention := l.Retention
-		if retention <= 0 {
-			retention = e.retention
-		}
-		p.Expires = now.Add(retention)
+		p.Expires = e.expires(l, now)
 	}
 	if state == StateCompleted && resp != nil {
 		if resp.Header == nil {
@@ -407,6 +403,19 @@ func (e *Engine) finishParams(l Lease, state State, resp *Response) FinishParams
 		resp.Header.Set(HeaderExpires, p.Expires.UTC().Format(http.TimeFormat))
 	}
 	return p
+}
+
+// Expires is when an outcome of l settled now would stop being replayed,
+// as [HeaderExpires] would say. For the answer to a request that goes to
+// the client before its outcome is stored (a streamed response): the record
+// is settled a moment later, so it lasts at least until then.
+func (e *Engine) Expires(l Lease) time.Time { return e.expires(l, e.clock.Now()) }
+
+func (e *Engine) expires(l Lease, now time.Time) time.Time {
+	if l.Retention > 0 {
+		return now.Add(l.Retention)
+	}
+	return now.Add(e.retention)
 }
 
 func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Response) error {
@@ -512,6 +521,14 @@ func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
 // lease) for a reconciler; pass the returned cursor to get the next page.
 func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult, error) {
 	return e.store.Scan(ctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+}
+
+// List returns a page of the live records that match p, in any state, for
+// operators; pass the returned cursor in p.Cursor for the next page. p.Now
+// is the engine's clock's now. See [ListParams] for what a page promises.
+func (e *Engine) List(ctx context.Context, p ListParams) (ScanResult, error) {
+	p.Now = e.clock.Now()
+	return e.store.List(ctx, p)
 }
 
 // PruneOptions says what [Engine.Prune] deletes.

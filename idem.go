@@ -62,8 +62,10 @@ type (
 	// FinishParams are what a store's transactional finish (pgstore's or
 	// sqlitestore's FinishTx) is given by [Settlement.Commit].
 	FinishParams = store.FinishParams
-	// ScanResult is one page of stale records; see [Engine.Scan].
+	// ScanResult is one page of records; see [Engine.Scan] and [Engine.List].
 	ScanResult = store.ScanResult
+	// ListParams filters the records [Engine.List] returns.
+	ListParams = store.ListParams
 	// Notifier wakes waiters in other processes; see [Config.Notifier].
 	Notifier = store.Notifier
 )

@@ -49,6 +49,9 @@ type capture struct {
 	limit    int64
 	passing  bool // the response is going straight to the client
 	hijacked bool
+	// expires is the Idempotency-Expires of a response passed through: its
+	// record is made once the handler is done.
+	expires func() string
 }
 
 var (
@@ -154,6 +157,9 @@ func (c *capture) passThrough() {
 	h := c.w.Header()
 	for name, values := range c.header {
 		h[name] = values
+	}
+	if c.expires != nil {
+		h.Set(HeaderExpires, c.expires())
 	}
 	c.w.WriteHeader(c.status)
 	c.w.Write(c.body.Bytes())

@@ -73,8 +73,11 @@ func ParseKey(values []string, format KeyFormat) (string, error) {
 		}
 	} else {
 		for i := 0; i < len(v); i++ {
-			if c := v[i]; c <= 0x20 || c >= 0x7f || c == '"' || c == '\\' || c == ',' {
-				return "", fmt.Errorf("bare key has a character %q that needs the quoted form", c)
+			if name, ok := needsQuotes[v[i]]; ok {
+				return "", fmt.Errorf(`key has %s at offset %d, which a bare key cannot hold: send the key quoted, as "…" with \" and \\ escaped (RFC 9651)`, name, i)
+			}
+			if c := v[i]; c < 0x20 || c > 0x7e {
+				return "", notASCII(i)
 			}
 		}
 		key = v
@@ -86,6 +89,16 @@ func ParseKey(values []string, format KeyFormat) (string, error) {
 		return "", errors.New("key must be a UUID (8-4-4-4-12 hex digits)")
 	}
 	return key, nil
+}
+
+// needsQuotes are the printable characters a bare key cannot hold, by name
+// (an error never quotes the key, nor a character of it).
+var needsQuotes = map[byte]string{' ': "a space", '"': "a double quote", '\\': "a backslash", ',': "a comma"}
+
+// notASCII is the error for a byte that no key may hold, at offset i of the
+// header's value.
+func notASCII(i int) error {
+	return fmt.Errorf("key has a byte that is not printable ASCII at offset %d: a key is 1 to 255 characters of printable ASCII (a UUID makes a good one)", i)
 }
 
 // parseSFString parses an RFC 9651 sf-string that makes up the whole value.
@@ -105,7 +118,7 @@ func parseSFString(v string) (string, error) {
 			}
 			return b.String(), nil
 		case c < 0x20 || c > 0x7e:
-			return "", fmt.Errorf("quoted key has a byte %#x that is not printable ASCII", c)
+			return "", notASCII(i)
 		default:
 			b.WriteByte(c)
 		}

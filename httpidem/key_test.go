@@ -37,3 +37,35 @@ func TestParseKey(t *testing.T) {
 		}
 	}
 }
+
+// TestParseKeyErrorsAdvise: a key's error says what is wrong and what to do,
+// and never quotes the key, nor a character of it.
+func TestParseKeyErrorsAdvise(t *testing.T) {
+	for _, c := range []struct {
+		value, want, not string
+	}{
+		{"clé-ü-€", "not printable ASCII at offset 2", "quoted"},
+		{`"clé-ü-€"`, "not printable ASCII at offset 3", "0x"},
+		{"order 1", "a space at offset 5", ""},
+		{"a,b", "a comma at offset 1", ""},
+		{`a"b`, "a double quote at offset 1", ""},
+	} {
+		_, err := httpidem.ParseKey([]string{c.value}, httpidem.KeyAny)
+		if err == nil {
+			t.Errorf("ParseKey(%q) accepted it", c.value)
+			continue
+		}
+		msg := err.Error()
+		if !strings.Contains(msg, c.want) || (c.not != "" && strings.Contains(msg, c.not)) {
+			t.Errorf("ParseKey(%q) = %q; want it to say %q and not %q", c.value, msg, c.want, c.not)
+		}
+		for _, r := range strings.Trim(c.value, `"`)[1:] {
+			if r > 0x7e || r == ' ' {
+				continue
+			}
+			if strings.Contains(msg, "'"+string(r)+"'") || strings.ContainsRune(msg, 'Ã') {
+				t.Errorf("ParseKey(%q) = %q: it quotes a character of the key", c.value, msg)
+			}
+		}
+	}
+}

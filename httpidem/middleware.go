@@ -176,6 +176,17 @@ const (
 	ObservedClientGone    = "client_gone"    // the client went away before anything ran
 )
 
+type keyHashKey struct{}
+
+// KeyHashOf returns the key hash ([idem.KeyHash]) of a keyed request the
+// middleware serves, as its log lines name the key: from the request the
+// handler is given, or the one [Config.Observe] is told about once the key
+// is read. It is "" for any other request.
+func KeyHashOf(r *http.Request) string {
+	h, _ := r.Context().Value(keyHashKey{}).(string)
+	return h
+}
+
 func (m *Middleware) observe(r *http.Request, what string) {
 	if m.cfg.Observe != nil {
 		m.cfg.Observe(r, what)
@@ -418,7 +429,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Scope: scope, Key: key, Fingerprint: m.fingerprint(r, body),
 		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
 	}
-	log := m.log.With("key_hash", idem.KeyHash(scope, key), "method", r.Method, "path", r.URL.Path)
+	hash := idem.KeyHash(scope, key)
+	r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, hash))
+	log := m.log.With("key_hash", hash, "method", r.Method, "path", r.URL.Path)
 
 	// The engine's store calls are detached from the client: one that goes
 	// away mid-acquire never leaves a record behind for work that did not
@@ -512,6 +525,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	state := &call{m: m, lease: lease}
 	ctx := context.WithValue(held, callKey{}, state)
 	c := newCapture(w, m.cfg.MaxResponseBody)
+	c.expires = func() string { return eng.Expires(lease).UTC().Format(http.TimeFormat) }
 	// Settling uses a context of its own: neither the client nor a lost lease
 	// may stop the outcome from being written.
 	settle := context.WithoutCancel(r.Context())

@@ -473,9 +473,18 @@ func TestUnreplayableResponse(t *testing.T) {
 			w.WriteHeader(201)
 			io.WriteString(w, big)
 		}}
-		srv := serve(t, httpidem.Config{Engine: newEngine(t, store), MaxResponseBody: 1024}, a)
-		if r := send(t, srv, "POST", "/big", "k1", "x"); r.status != 201 || r.body != big {
-			t.Fatalf("large response not delivered whole the first time: %d, %d bytes", r.status, len(r.body))
+		eng := newEngine(t, store)
+		srv := serve(t, httpidem.Config{Engine: eng, MaxResponseBody: 1024}, a)
+		first := send(t, srv, "POST", "/big", "k1", "x")
+		if first.status != 201 || first.body != big {
+			t.Fatalf("large response not delivered whole the first time: %d, %d bytes", first.status, len(first.body))
+		}
+		// Its record was made all the same: the first answer says until when
+		// a retry is told so, and the record lasts at least that long.
+		said, err := http.ParseTime(first.header.Get(idem.HeaderExpires))
+		rec, gerr := eng.Get(context.Background(), "", "k1")
+		if err != nil || gerr != nil || rec.Expires.Before(said) || rec.Expires.Sub(said) > time.Minute {
+			t.Fatalf("first answer's %s = %q (%v); the record expires at %v (%v)", idem.HeaderExpires, first.header.Get(idem.HeaderExpires), err, rec.Expires, gerr)
 		}
 		r := send(t, srv, "POST", "/big", "k1", "x")
 		wantProblem(t, r, 409, httpidem.ProblemNotReplayable)

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -41,6 +43,10 @@ type Store interface {
 	// Scan lists stale records (see [Record.Stale]) for the reconciler, a
 	// page at a time; see [ScanParams].
 	Scan(ctx context.Context, p ScanParams) (ScanResult, error)
+	// List lists the live records that match a filter, in any state, a
+	// page at a time, for operators (idem keys ls); see [ListParams]. Unlike
+	// Scan it may read every record the store holds.
+	List(ctx context.Context, p ListParams) (ScanResult, error)
 	// Prune deletes up to p.Limit terminal records that expired at or before
 	// p.Now and reports how many it deleted. Stores whose server expires
 	// records by itself (Redis TTL) may report 0.
@@ -355,6 +361,67 @@ type ScanResult struct {
 	Records []Record
 	// Cursor continues the scan; empty when it is complete.
 	Cursor string
+}
+
+// ListParams asks a store for a page of the live records that match a
+// filter ([ListParams.Match]). The order of the records is the store's own.
+// A page may hold fewer than Limit records, even none, while its Cursor is
+// not empty (a store that filters what it reads); the listing is over when
+// the Cursor is empty. A matching record that does not change during the
+// listing is returned at least once over the pages (once by most stores; a
+// caller that must not see one twice keeps the ones it has seen).
+type ListParams struct {
+	// Now: records that are not live at Now (expired) are left out.
+	Now time.Time
+	// States, when not empty, keeps only records in these states.
+	States []State
+	// ScopePrefix and KeyPrefix keep only records whose scope and key begin
+	// with them ("" keeps all).
+	ScopePrefix, KeyPrefix string
+	// CreatedFrom and CreatedBefore, when not zero, keep only records
+	// created at or after CreatedFrom and before CreatedBefore.
+	CreatedFrom, CreatedBefore time.Time
+	// Limit is the most records to return; zero means [DefaultScanLimit].
+	Limit int
+	// Cursor continues a listing: empty to start, then the previous page's
+	// ScanResult.Cursor.
+	Cursor string
+}
+
+// Validate reports malformed params; the error wraps [ErrInvalid].
+func (p ListParams) Validate() error {
+	if p.Now.IsZero() {
+		return invalid("now is zero")
+	}
+	if p.Limit < 0 {
+		return invalid("negative list limit")
+	}
+	for _, st := range p.States {
+		if !st.Valid() {
+			return invalid(fmt.Sprintf("list of state %q", st))
+		}
+	}
+	if !p.CreatedFrom.IsZero() && !p.CreatedBefore.IsZero() && !p.CreatedFrom.Before(p.CreatedBefore) {
+		return invalid("list of an empty time range")
+	}
+	return nil
+}
+
+// PageSize is the page size asked for: Limit, or [DefaultScanLimit].
+func (p ListParams) PageSize() int {
+	if p.Limit == 0 {
+		return DefaultScanLimit
+	}
+	return p.Limit
+}
+
+// Match reports whether r belongs in the listing.
+func (p ListParams) Match(r Record) bool {
+	return r.Live(p.Now) &&
+		(len(p.States) == 0 || slices.Contains(p.States, r.State)) &&
+		strings.HasPrefix(r.Scope, p.ScopePrefix) && strings.HasPrefix(r.Key, p.KeyPrefix) &&
+		(p.CreatedFrom.IsZero() || !r.Created.Before(p.CreatedFrom)) &&
+		(p.CreatedBefore.IsZero() || r.Created.Before(p.CreatedBefore))
 }
 
 // PruneParams asks a store to delete expired records.

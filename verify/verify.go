@@ -24,15 +24,22 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"math"
 	"mime"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/idemhq/idem/idemclient"
 )
+
+// ErrUnreachable is the error of [Run] when the endpoint gives no answer
+// at all (refused connections, DNS, timeouts): no check can run.
+var ErrUnreachable = errors.New("the endpoint cannot be reached")
 
 // DefaultConcurrency is how many duplicates the concurrent check sends.
 const DefaultConcurrency = 10
@@ -47,9 +54,11 @@ type Config struct {
 	// {"idem_verify": "<random>"}.
 	Body string
 	// ChangedBody is the "different payload": another request the endpoint
-	// accepts (the scopes check runs it). Defaults to Body with one more
-	// member ("idem_verify_changed": true) when Body is a JSON object, else
-	// Body with "-changed" appended; give your own to a strict endpoint.
+	// accepts (the scopes check runs it). Defaults to Body changed the least
+	// that an endpoint that validates is likely to accept: when Body is a
+	// JSON object, its first number member (in name order) plus one, or
+	// else one more member ("idem_verify_changed": true); otherwise Body
+	// with "-changed" appended. Give your own to an endpoint that refuses it.
 	ChangedBody string
 	// Header is sent with every request (Content-Type, credentials…).
 	Header http.Header
@@ -133,9 +142,12 @@ type runner struct {
 	plain    *http.Client // sees every answer as it is
 	retrying *http.Client // idemclient: rides out 503s and 409 in-progress with the same key
 	mu       sync.Mutex
-	sent     int
-	seen4xx  int      // 4xx answers seen
-	errs4xx  []string // of those, the ones that were not problem+json
+	// unreachable is why the first request got no answer at all: the
+	// checks stop there.
+	unreachable error
+	sent        int
+	seen4xx     int      // 4xx answers seen
+	errs4xx     []string // of those, the ones that were not problem+json
 }
 
 // Run runs every check against cfg.URL. An error means the checks could not
@@ -178,6 +190,9 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	rep := Report{URL: cfg.URL}
 	for _, check := range []func(context.Context) Check{r.replay, r.mismatch, r.concurrent, r.missingKey, r.malformed, r.scopes} {
 		rep.Checks = append(rep.Checks, check(ctx))
+		if r.unreachable != nil {
+			return rep, fmt.Errorf("%w: %s: %v", ErrUnreachable, cfg.URL, r.unreachable)
+		}
 	}
 	switch {
 	case len(r.errs4xx) > 0:
@@ -197,15 +212,22 @@ func cmpOr(v, def string) string {
 	return v
 }
 
-// changed makes another payload: one more member in a JSON object.
+// changed makes another payload (see Config.ChangedBody).
 func changed(body string) string {
-	var obj map[string]any
-	if json.Unmarshal([]byte(body), &obj) == nil && obj != nil {
-		obj["idem_verify_changed"] = true
-		b, _ := json.Marshal(obj)
-		return string(b)
+	var obj map[string]json.RawMessage
+	if json.Unmarshal([]byte(body), &obj) != nil || obj == nil {
+		return body + "-changed"
 	}
-	return body + "-changed"
+	obj["idem_verify_changed"] = json.RawMessage("true")
+	for _, name := range slices.Sorted(maps.Keys(obj)) {
+		if n, err := strconv.ParseInt(string(obj[name]), 10, 64); err == nil && n < math.MaxInt64 {
+			delete(obj, "idem_verify_changed")
+			obj[name] = json.RawMessage(strconv.FormatInt(n+1, 10))
+			break
+		}
+	}
+	b, _ := json.Marshal(obj)
+	return string(b)
 }
 
 func newKey() string {
@@ -274,8 +296,16 @@ func (r *runner) replay(ctx context.Context) Check {
 	c := Check{Name: "replay"}
 	key := newKey()
 	first := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
-	if first.err != nil || first.status >= 400 {
-		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s); give a body the endpoint accepts", first)
+	switch {
+	case first.err != nil:
+		r.unreachable = first.err
+		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
+		return c
+	case first.status >= 400 && first.status < 500:
+		c.Result, c.Detail = Fail, fmt.Sprintf("the first request was refused (%s); give a body the endpoint accepts (--body) and the headers it needs (--header)", first)
+		return c
+	case first.status >= 500:
+		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
 		return c
 	}
 	second := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
@@ -328,7 +358,7 @@ func (r *runner) concurrent(ctx context.Context) Check {
 	close(start)
 	wg.Wait()
 	outcomes := map[string]int{}
-	conflicts, errs := 0, 0
+	conflicts, replays, errs := 0, 0, 0
 	for _, a := range answers {
 		switch {
 		case a.err != nil:
@@ -336,6 +366,9 @@ func (r *runner) concurrent(ctx context.Context) Check {
 		case a.status == http.StatusConflict:
 			conflicts++
 		default:
+			if a.replayed() {
+				replays++
+			}
 			outcomes[fmt.Sprintf("%d %s", a.status, a.body)]++
 		}
 	}
@@ -353,7 +386,7 @@ func (r *runner) concurrent(ctx context.Context) Check {
 	case final.err != nil || (only != "" && fmt.Sprintf("%d %s", final.status, final.body) != only):
 		c.Result, c.Detail = Fail, fmt.Sprintf("after the duplicates, a retry got %s, not their outcome", final)
 	default:
-		c.Result, c.Detail = Pass, fmt.Sprintf("%d duplicates at once: one outcome, %d got 409; a later retry replayed it", r.cfg.Concurrency, conflicts)
+		c.Result, c.Detail = Pass, fmt.Sprintf("%d duplicates at once: one outcome (%d replayed it, %d got 409); a later retry replayed it", r.cfg.Concurrency, replays, conflicts)
 	}
 	return c
 }
@@ -418,6 +451,8 @@ func (r *runner) scopes(ctx context.Context) Check {
 		c.Result, c.Detail = Fail, "the same key from another credential collided with the first (422): keys are not scoped per caller"
 	case b.replayed():
 		c.Result, c.Detail = Fail, "the second credential was replayed the first one's answer: keys are not scoped per caller"
+	case b.status >= 400 && b.status < 500:
+		c.Result, c.Detail = Fail, fmt.Sprintf("the second credential's request, with the changed body, was refused (%s); give another request the endpoint accepts (--changed-body)", b)
 	case b.status >= 400:
 		c.Result, c.Detail = Fail, fmt.Sprintf("the second credential's request failed (%s)", b)
 	default:

@@ -2,8 +2,11 @@ package verify_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -162,5 +165,44 @@ func TestCatchesGlobalKeys(t *testing.T) {
 func TestRunNeedsAURL(t *testing.T) {
 	if _, err := verify.Run(context.Background(), verify.Config{}); err == nil {
 		t.Fatal("no error without a URL")
+	}
+}
+
+// TestPassesAgainstAStrictEndpoint: an endpoint that refuses JSON members it
+// does not know (as idem demo does) passes with the default changed body.
+func TestPassesAgainstAStrictEndpoint(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true, Scope: httpidem.HashScope("Authorization")})
+	var n atomic.Int64
+	strict := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Amount int64 }
+		dec := json.NewDecoder(r.Body)
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&req); err != nil {
+			httpidem.NothingHappened(r)
+			(&httpidem.Problem{Type: "about:blank", Title: "Invalid", Status: 400, Detail: err.Error()}).Write(w)
+			return
+		}
+		charge(&n)(w, r)
+	})
+	for _, c := range run(t, mw.Wrap(strict)).Checks {
+		if c.Result != verify.Pass {
+			t.Errorf("%s: %s: %s", c.Name, c.Result, c.Detail)
+		}
+	}
+}
+
+// TestStopsAtAnEndpointThatCannotBeReached: no answer at all ends the run
+// with ErrUnreachable after one check, not the same error in every check.
+func TestStopsAtAnEndpointThatCannotBeReached(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + ln.Addr().String() + "/v1/charges"
+	ln.Close() // connections are refused from now on
+	rep, err := verify.Run(context.Background(), verify.Config{URL: url})
+	if !errors.Is(err, verify.ErrUnreachable) || len(rep.Checks) != 1 || strings.Contains(rep.Checks[0].Detail, "give a body") {
+		t.Fatalf("Run against a closed port = %+v, %v; want one failed check and ErrUnreachable", rep, err)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/idemhq/idem/internal/chaos"
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/testbin"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 // The size of a run. CI runs the defaults; RELIABILITY.md's figures come
@@ -101,10 +102,7 @@ func TestChaosSQLite(t *testing.T) {
 // pg_terminate_backend on the server), and the server is unreachable once,
 // for a while.
 func TestChaosPostgres(t *testing.T) {
-	base := os.Getenv("IDEM_TEST_DATABASE_URL")
-	if base == "" {
-		t.Skip("set IDEM_TEST_DATABASE_URL=postgres://… to run the chaos suite on PostgreSQL")
-	}
+	base := testkit.Server(t, "IDEM_TEST_DATABASE_URL")
 	u, err := url.Parse(base)
 	if err != nil {
 		t.Fatal(err)
@@ -146,9 +144,7 @@ func TestChaosPostgres(t *testing.T) {
 // whose every node is reached through a TCP fault proxy; connections are
 // cut now and then, and the whole cluster is unreachable once.
 func TestChaosRedisCluster(t *testing.T) {
-	if os.Getenv("IDEM_TEST_REDIS_URL") == "" {
-		t.Skip("set IDEM_TEST_REDIS_URL to run the Redis tests (the chaos suite starts a cluster of its own)")
-	}
+	testkit.Server(t, "IDEM_TEST_REDIS_URL") // Redis is there (the suite starts a cluster of its own)
 	cluster, err := chaos.StartRedisCluster(context.Background(), t.TempDir())
 	if err != nil {
 		t.Fatal(err)

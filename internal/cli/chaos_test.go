@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -25,6 +24,7 @@ import (
 	"github.com/idemhq/idem/idemclient"
 	"github.com/idemhq/idem/internal/payments"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 )
 
@@ -39,10 +39,7 @@ func TestChaosSQLite(t *testing.T) {
 }
 
 func TestChaosPostgres(t *testing.T) {
-	base := os.Getenv("IDEM_TEST_DATABASE_URL")
-	if base == "" {
-		t.Skip("set IDEM_TEST_DATABASE_URL=postgres://… to run the payments chaos test on PostgreSQL")
-	}
+	base := testkit.Server(t, "IDEM_TEST_DATABASE_URL")
 	b := make([]byte, 6)
 	rand.Read(b)
 	schema := "chaos_" + hex.EncodeToString(b)
@@ -85,7 +82,7 @@ func runChaos(t *testing.T, store string) {
 		t.Skip("the chaos test takes a while; run without -short")
 	}
 	acq := payments.NewAcquirer(false, 42) // no dedupe: only idem stands between a retry and a second charge
-	acq.SetFaults(payments.Faults{Latency: time.Millisecond, Decline: 0.1, Unavailable: 0.05, ResetBefore: 0.05, LostReply: 0.05})
+	acq.SetFaults(payments.Faults{Latency: payments.Duration(time.Millisecond), Decline: 0.1, Unavailable: 0.05, ResetBefore: 0.05, LostReply: 0.05})
 	acquirer := httptest.NewServer(acq)
 	defer acquirer.Close()
 

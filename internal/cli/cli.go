@@ -23,32 +23,11 @@ import (
 // Env reads environment variables (os.Getenv in production).
 type Env func(string) string
 
-const usage = `idem makes side effects behind HTTP APIs happen exactly once.
-
-Usage:
-  idem proxy --upstream URL [--listen ADDR] [--store DSN] [--config FILE] [flags]
-  idem demo [--listen ADDR] [--store DSN] [--acquirer URL]
-  idem keys ls|show|resolve|purge [flags]
-  idem reconcile --resolver-url URL [--store DSN] [--once]
-  idem verify --url URL [--body JSON] [--header 'H: V']… [--require-key] [--credential C]… [--json]
-  idem echo [--listen ADDR] [--delay D]
-  idem help [COMMAND]
-
-Commands:
-  proxy      put the idempotency contract in front of any HTTP API
-  demo       the reference payments service, a simulated card acquirer and a reconciler
-  keys       list, inspect, resolve and purge records in any store
-  reconcile  settle stale records by asking a resolver URL what happened
-  verify     check, from the outside, that an API honours the idempotency contract
-  echo       a toy API that numbers each request it runs, to try idem on
-
-Run 'idem help proxy' for its flags.
-`
-
-// Main runs the command line args and returns the exit status.
+// Main runs the command line args and returns the exit status: 0 when it
+// did what was asked, 1 when that failed, 2 when the command line was wrong.
 func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
+		printUsage(stderr)
 		return 2
 	}
 	switch args[0] {
@@ -64,43 +43,48 @@ func Main(ctx context.Context, args []string, env Env, stdout, stderr io.Writer)
 		return runReconcile(ctx, args[1:], env, stdout, stderr)
 	case "verify":
 		return runVerify(ctx, args[1:], stdout, stderr)
+	case "version", "--version":
+		if err := parseFlagsOnly(newFlags("version"), args[1:], stdout, stderr); err != nil {
+			return exitStatus(err)
+		}
+		fmt.Fprintln(stdout, "idem", version())
+		return 0
 	case "help", "-h", "--help":
-		if len(args) > 1 && args[1] == "proxy" {
-			runProxy(ctx, []string{"-h"}, env, stdout, stdout)
+		if len(args) == 1 || args[0] != "help" {
+			printUsage(stdout)
 			return 0
 		}
-		fmt.Fprint(stdout, usage)
-		return 0
+		if name := strings.Join(args[1:], " "); commandNamed(name).summary != "" || name == "keys" {
+			return Main(ctx, append(args[1:], "--help"), env, stdout, stderr)
+		}
+		fmt.Fprintf(stderr, "idem help: no command %q\n\n", strings.Join(args[1:], " "))
+		printUsage(stderr)
+		return 2
 	}
-	fmt.Fprintf(stderr, "idem: unknown command %q\n\n%s", args[0], usage)
+	fmt.Fprintf(stderr, "idem: unknown command %q\n\n", args[0])
+	printUsage(stderr)
 	return 2
 }
 
 // loadProxyConfig builds the configuration: the defaults, then the YAML file
 // (from --config or IDEM_CONFIG), then environment variables, then flags.
-func loadProxyConfig(args []string, env Env, stderr io.Writer) (proxy.Config, *slog.Logger, error) {
+func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Config, *slog.Logger, error) {
 	cfg := proxy.DefaultConfig()
 	defaults := proxy.DefaultConfig()
-	fs := flag.NewFlagSet("idem proxy", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("proxy")
 	settings := proxySettings()
 	flags := make([]*flagSetting, len(settings))
 	for i, s := range settings {
 		flags[i] = &flagSetting{s: s}
 		help := settingHelp[strings.TrimPrefix(s.yaml, "defaults.")]
-		fs.Var(flags[i], s.flag, fmt.Sprintf("%s (default %s) [$%s]", help, s.show(&defaults), s.env))
+		if d := s.show(&defaults); d != "" {
+			help += " (default " + d + ")"
+		}
+		fs.Var(flags[i], s.flag, help+" [$"+s.env+"]")
 	}
-	configPath := fs.String("config", "", "YAML configuration file [$IDEM_CONFIG]")
-	logFormat := fs.String("log-format", "", "text or json (default text) [$IDEM_LOG_FORMAT]")
-	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), "Usage: idem proxy --upstream URL [flags]\n\nFlags (each also from its $IDEM_… variable, or the config file):\n")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
+	configPath := fs.String("config", "", "YAML configuration `file` (see docs/config.md) [$IDEM_CONFIG]")
+	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return cfg, nil, err
-	}
-	if fs.NArg() > 0 {
-		return cfg, nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
 	if path := cmp.Or(*configPath, env("IDEM_CONFIG")); path != "" {
 		data, err := os.ReadFile(path)
@@ -123,63 +107,50 @@ func loadProxyConfig(args []string, env Env, stderr io.Writer) (proxy.Config, *s
 			}
 		}
 	}
-	var handler slog.Handler
-	switch f := cmp.Or(*logFormat, env("IDEM_LOG_FORMAT"), "text"); f {
-	case "text":
-		handler = slog.NewTextHandler(stderr, nil)
-	case "json":
-		handler = slog.NewJSONHandler(stderr, nil)
-	default:
-		return cfg, nil, fmt.Errorf("--log-format %q: want text or json", f)
+	if err := cfg.Validate(); err != nil {
+		return cfg, nil, err
 	}
-	return cfg, slog.New(handler), nil
+	log, err := cfg.Logger(stderr)
+	return cfg, log, err
 }
 
 func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
-	cfg, log, err := loadProxyConfig(args, env, stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return 0
-	}
-	if err != nil {
-		fmt.Fprintln(stderr, "idem proxy:", err)
+	cfg, log, err := loadProxyConfig(args, env, stdout, stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp) || errors.Is(err, errReported):
+		return exitStatus(err)
+	case err != nil:
+		fmt.Fprintln(stderr, "idem proxy:", message(err))
 		return 2
 	}
-	if err := cfg.Validate(); err != nil {
-		fmt.Fprintln(stderr, "idem proxy:", err)
-		return 2
-	}
+	storeopen.SetLogger(log)
 	opened, err := storeopen.OpenEventually(ctx, cfg.Store)
 	if err != nil {
-		fmt.Fprintln(stderr, "idem proxy: opening the store:", err)
-		return 1
+		return fail(stderr, "idem proxy: opening the store", err)
 	}
 	defer opened.Close()
 	tel, err := telemetry.New(ctx, env)
 	if err != nil {
-		fmt.Fprintln(stderr, "idem proxy: telemetry:", err)
-		return 1
+		return fail(stderr, "idem proxy: telemetry", err)
 	}
 	defer tel.Shutdown(context.WithoutCancel(ctx))
 	var notifier idem.Notifier
 	if opened.NewNotifier != nil && cfg.Waits() {
 		if notifier, err = opened.NewNotifier(ctx); err != nil {
-			fmt.Fprintln(stderr, "idem proxy: starting cross-instance wake-ups:", err)
-			return 1
+			return fail(stderr, "idem proxy: starting cross-instance wake-ups", err)
 		}
 	}
 	engCfg := cfg.Engine
 	engCfg.Store, engCfg.Notifier, engCfg.JournalDir, engCfg.Logger = tel.Store(opened.Kind, opened.Store), notifier, cfg.JournalDir(), log
 	eng, err := idem.New(engCfg)
 	if err != nil {
-		fmt.Fprintln(stderr, "idem proxy:", err)
-		return 2
+		return fail(stderr, "idem proxy", err)
 	}
 	defer closeEngine(eng, cmp.Or(cfg.ShutdownTimeout, proxy.DefaultShutdownTimeout), log)
 	health := watchHealth(ctx, eng, opened, tel, log)
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics()}
 	if err := proxy.Serve(ctx, cfg, eng, health, log, hooks, nil); err != nil {
-		fmt.Fprintln(stderr, "idem proxy:", err)
-		return 1
+		return fail(stderr, "idem proxy", err)
 	}
 	return 0
 }

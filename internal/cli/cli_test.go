@@ -1,8 +1,10 @@
 package cli
 
 import (
+	"cmp"
 	"context"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -40,7 +42,7 @@ routes:
 		t.Fatal(err)
 	}
 	env := envOf(map[string]string{"IDEM_CONFIG": path, "IDEM_LISTEN": "127.0.0.1:2222", "IDEM_LEASE": "20s", "IDEM_STORE": "memory:"})
-	cfg, _, err := loadProxyConfig([]string{"--listen", "127.0.0.1:3333", "--require-key"}, env, io.Discard)
+	cfg, _, err := loadProxyConfig([]string{"--listen", "127.0.0.1:3333", "--require-key"}, env, io.Discard, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,31 +70,76 @@ routes:
 	}
 }
 
+// TestConfigErrors: a wrong configuration, whichever face gives it, is a
+// usage error (exit status 2) that names the setting and, in a file, its
+// line; it never starts anything.
 func TestConfigErrors(t *testing.T) {
 	dir := t.TempDir()
-	unknown := filepath.Join(dir, "unknown.yaml")
-	os.WriteFile(unknown, []byte("upstream: http://x\nlisten_addr: oops\n"), 0o600)
-	unknownInRoute := filepath.Join(dir, "route.yaml")
-	os.WriteFile(unknownInRoute, []byte("upstream: http://x\nroutes:\n  - match: /a\n    wiat: 2s\n"), 0o600)
+	file := func(name, content string) string {
+		path := filepath.Join(dir, name)
+		os.WriteFile(path, []byte(content), 0o600)
+		return path
+	}
 	for name, c := range map[string]struct {
 		args []string
 		env  map[string]string
 		want string
 	}{
-		"bad flag duration":      {[]string{"--lease", "soon"}, nil, "--lease"},
-		"bad env duration":       {nil, map[string]string{"IDEM_RETENTION": "forever"}, "IDEM_RETENTION"},
-		"bad bool":               {nil, map[string]string{"IDEM_REQUIRE_KEY": "perhaps"}, "IDEM_REQUIRE_KEY"},
+		"bad flag duration":      {[]string{"--lease", "soon"}, nil, `--lease: "soon" is not a duration`},
+		"bad env duration":       {nil, map[string]string{"IDEM_RETENTION": "forever"}, "$IDEM_RETENTION"},
+		"bad bool":               {nil, map[string]string{"IDEM_REQUIRE_KEY": "perhaps"}, "$IDEM_REQUIRE_KEY"},
 		"bad key format":         {[]string{"--key-format", "ulid"}, nil, "any or uuid"},
-		"unknown yaml key":       {[]string{"--config", unknown}, nil, "line 2: listen_addr is not a setting"},
-		"unknown key in a route": {[]string{"--config", unknownInRoute}, nil, "line 4: wiat is not a setting"},
+		"bad size":               {[]string{"--max-request-body", "2 potatoes"}, nil, "not a size such as"},
+		"unknown yaml key":       {[]string{"--config", file("unknown.yaml", "upstream: http://x\nlisten_addr: oops\n")}, nil, "line 2: listen_addr is not a setting"},
+		"unknown key in a route": {[]string{"--config", file("route.yaml", "upstream: http://x\nroutes:\n  - match: /a\n    wiat: 2s\n")}, nil, "line 4: wiat is not a setting of a route"},
+		"bad yaml duration":      {[]string{"--config", file("lease.yaml", "upstream: http://x\nlease: soon\n")}, nil, `line 2: lease: "soon" is not a duration`},
+		"bad yaml key format":    {[]string{"--config", file("format.yaml", "upstream: http://x\nkey_format: ulid\n")}, nil, "line 2: key_format"},
+		"yaml list for a value":  {[]string{"--config", file("list.yaml", "upstream: http://x\nlease: [1s]\n")}, nil, "line 2: lease takes a single value"},
+		"yaml that is not yaml":  {[]string{"--config", file("broken.yaml", "upstream: [\n")}, nil, "line"},
 		"missing file":           {[]string{"--config", filepath.Join(dir, "nope.yaml")}, nil, "nope.yaml"},
-		"stray argument":         {[]string{"extra"}, nil, "extra"},
+		"stray argument":         {[]string{"extra"}, nil, `unexpected argument "extra"`},
+		"unknown flag":           {[]string{"--listn", ":1"}, nil, "unknown flag --listn"},
 		"bad log format":         {[]string{"--log-format", "xml"}, nil, "xml"},
+		"bad route pattern":      {[]string{"--config", file("pattern.yaml", "upstream: http://x\nroutes:\n  - match: POST\n")}, nil, "route"},
+		"no upstream":            {nil, nil, "no upstream"},
 	} {
-		_, _, err := loadProxyConfig(c.args, envOf(c.env), io.Discard)
-		if err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%s: err = %v, want it to mention %q", name, err, c.want)
+		var stderr strings.Builder
+		env := map[string]string{"IDEM_UPSTREAM": "http://127.0.0.1:9000"}
+		if name == "no upstream" || slices.Contains(c.args, "--config") {
+			env = map[string]string{}
 		}
+		maps.Copy(env, c.env)
+		code := Main(context.Background(), append([]string{"proxy", "--store", "memory:"}, c.args...), envOf(env), io.Discard, &stderr)
+		if code != 2 || !strings.Contains(stderr.String(), c.want) || strings.Contains(stderr.String(), "proxy.Config") {
+			t.Errorf("%s: exit %d, %q; want exit 2 and a message saying %q", name, code, stderr.String(), c.want)
+		}
+	}
+}
+
+// TestSizesAreReadable: sizes are given in bytes or with a unit, and help
+// shows them with one.
+func TestSizesAreReadable(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(path, []byte("upstream: http://x\ndefaults:\n  max_request_body: 2MiB\n"), 0o600)
+	cfg, _, err := loadProxyConfig([]string{"--config", path, "--max-response-body", "512KiB", "--max-header-bytes", "16000"}, envOf(nil), io.Discard, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Defaults.MaxRequestBody != 2<<20 || cfg.Defaults.MaxResponseBody != 512<<10 || cfg.MaxHeaderBytes != 16000 {
+		t.Fatalf("sizes: %d %d %d", cfg.Defaults.MaxRequestBody, cfg.Defaults.MaxResponseBody, cfg.MaxHeaderBytes)
+	}
+	for in, want := range map[string]int64{"1048576": 1 << 20, "1MiB": 1 << 20, "1 MB": 1e6, "3kib": 3 << 10, "7B": 7} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, bad := range []string{"", "MiB", "-1", "1.5MiB", "9999999999999GiB"} {
+		if _, err := parseSize(bad); err == nil {
+			t.Errorf("parseSize(%q) accepted it", bad)
+		}
+	}
+	if formatSize(2<<20) != "2MiB" || formatSize(1000) != "1000" {
+		t.Errorf("formatSize: %s %s", formatSize(2<<20), formatSize(1000))
 	}
 }
 
@@ -135,13 +182,22 @@ func TestEveryOptionIsReachable(t *testing.T) {
 			if f.Type == reflect.TypeFor[httpidem.KeyFormat]() {
 				value = "uuid"
 			}
+			value = cmp.Or(map[string]string{"upstream": "http://upstream.test:9000", "log_format": "json"}[name], value)
+			// A configuration must name an upstream to be valid.
+			needed := map[string]string{"IDEM_UPSTREAM": "http://127.0.0.1:9000"}
+			if name == "upstream" {
+				needed = nil
+			}
 			base := proxy.DefaultConfig()
 			for how, args := range map[string][]string{"flag": {"--" + s.flag + "=" + value}, "env": nil} {
-				env := map[string]string{}
+				env := maps.Clone(needed)
+				if env == nil {
+					env = map[string]string{}
+				}
 				if how == "env" {
 					env[s.env] = value
 				}
-				got, _, err := loadProxyConfig(args, envOf(env), io.Discard)
+				got, _, err := loadProxyConfig(args, envOf(env), io.Discard, io.Discard)
 				if err != nil {
 					t.Errorf("%s by %s: %v", name, how, err)
 					continue
@@ -160,7 +216,7 @@ func TestEveryOptionIsReachable(t *testing.T) {
 				yamlValue = "[A, B]"
 			}
 			os.WriteFile(path, []byte(prefix+indent+name+": "+yamlValue+"\n"), 0o600)
-			got, _, err := loadProxyConfig([]string{"--config", path}, envOf(nil), io.Discard)
+			got, _, err := loadProxyConfig([]string{"--config", path}, envOf(needed), io.Discard, io.Discard)
 			if err != nil {
 				t.Errorf("%s in YAML: %v", name, err)
 			} else if reflect.DeepEqual(s.field(&got).Interface(), s.field(&base).Interface()) {

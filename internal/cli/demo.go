@@ -2,11 +2,8 @@ package cli
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"time"
 
@@ -21,47 +18,49 @@ import (
 // runDemo serves the reference payments service, a simulated card acquirer
 // (unless --acquirer names one) and a reconciler, on loopback.
 func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("idem demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	listen := fs.String("listen", "127.0.0.1:8080", "address of the payments API")
-	acquirerURL := fs.String("acquirer", "", "URL of a card acquirer to use instead of starting the simulated one")
-	acquirerListen := fs.String("acquirer-listen", "127.0.0.1:8090", "address of the simulated acquirer")
-	store := fs.String("store", "sqlite:idem-demo.db", "store DSN; the ledger lives in the same database (sqlite:PATH or postgres://…)")
+	fs := newFlags("demo")
+	listen := fs.String("listen", "127.0.0.1:8080", "`address` of the payments API")
+	acquirerURL := fs.String("acquirer", "", "`URL` of a card acquirer to use instead of starting the simulated one")
+	acquirerListen := fs.String("acquirer-listen", "127.0.0.1:8090", "`address` of the simulated acquirer")
+	store := fs.String("store", "sqlite:idem-demo.db", "the store, a `DSN`: sqlite:PATH or postgres://… (the ledger lives in the same database)")
 	lease := fs.Duration("lease", idem.DefaultLease, "lease length")
-	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner")
+	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner; 0s for none")
 	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
-	admin := fs.String("admin-listen", "127.0.0.1:8091", "address of /healthz, /readyz and /metrics (empty: off)")
-	journal := fs.String("journal-dir", "idem-demo-journal", "directory where outcomes wait while the store is unreachable")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
+	admin := fs.String("admin-listen", "127.0.0.1:8091", "`address` of /healthz, /readyz and /metrics (Prometheus); empty: none")
+	journal := fs.String("journal-dir", "idem-demo-journal", "`directory` where outcomes wait while the store is unreachable")
+	newLog := logFlag(fs, env, stderr)
+	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
+		return exitStatus(err)
+	}
+	if k := storeopen.Kind(*store); k != "sqlite" && k != "postgres" {
+		usageError(stderr, fs.Name(), fmt.Sprintf("--store: the demo keeps its ledger in the store's database, so it takes sqlite:PATH or postgres://…, not %s", k))
 		return 2
 	}
-	log := slog.New(slog.NewTextHandler(stderr, nil))
-	fail := func(err error) int {
-		fmt.Fprintln(stderr, "idem demo:", err)
-		return 1
+	log, err := newLog()
+	if err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
 	}
+	failed := func(err error) int { return fail(stderr, fs.Name(), err) }
 
 	opened, err := storeopen.Open(ctx, *store)
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	defer opened.Close()
 	tel, err := telemetry.New(ctx, env)
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	defer tel.Shutdown(context.WithoutCancel(ctx))
 	measured := tel.Store(opened.Kind, opened.Store)
 	db, err := payments.NewDB(measured)
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	eng, err := idem.New(idem.Config{Store: measured, Lease: *lease, JournalDir: *journal, Logger: log})
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	defer closeEngine(eng, proxy.DefaultShutdownTimeout, log)
 	servers := &proxy.Servers{Log: log}
@@ -72,42 +71,42 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	if *acquirerURL == "" {
 		if *acquirerURL, err = serve(*acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
-			return fail(err)
+			return failed(err)
 		}
 		fmt.Fprintf(stdout, "simulated card acquirer on %s (switch faults with PUT %s/faults)\n", *acquirerURL, *acquirerURL)
 	}
 	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: *acquirerURL, Logger: log, Observe: tel.Observe})
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	if err := svc.Migrate(ctx); err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	h, err := svc.Handler()
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	rec, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: svc, Grace: graceOf(*grace), Interval: *every, Logger: log, OnPass: tel.OnPass})
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	rec.Start(ctx)
 	defer rec.Stop()
 	api, err := serve(*listen, tel.Wrap(h))
 	if err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	if *admin != "" {
 		url, err := serve(*admin, proxy.Admin(watchHealth(ctx, eng, opened, tel, log), tel.Metrics()))
 		if err != nil {
-			return fail(err)
+			return failed(err)
 		}
 		fmt.Fprintf(stdout, "admin on %s (/healthz, /readyz, /metrics)\n", url)
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
 	if err := servers.Run(ctx, proxy.DefaultShutdownTimeout); err != nil {
-		return fail(err)
+		return failed(err)
 	}
 	return 0
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemhq/idem/internal/cli"
 	"github.com/idemhq/idem/internal/testbin"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 )
 
@@ -26,7 +27,7 @@ var idemBin string
 
 func TestMain(m *testing.M) { testbin.Main(m, &idemBin) }
 
-var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+) upstream=\S+ admin=(\S*)`)
+var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+) upstream=\S+ store=\S+(?: admin=(\S+))?`)
 
 // proxyProc is an `idem proxy` running as a real process.
 type proxyProc struct {
@@ -274,9 +275,7 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			server := ""
 			if env := envs[name]; env != "" {
-				if server = os.Getenv(env); server == "" {
-					t.Skipf("set %s to check the proxy on %s", env, name)
-				}
+				server = testkit.Server(t, env)
 			}
 			dsn := makeDSN(server)
 			_, url, admin := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key", "--admin-listen", "127.0.0.1:0")

@@ -3,7 +3,6 @@ package cli
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -16,20 +15,15 @@ import (
 // runs gets the next execution number, so a replay is easy to tell from a
 // second execution.
 func runEcho(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("idem echo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	listen := fs.String("listen", "127.0.0.1:9000", "address to serve on")
-	delay := fs.Duration("delay", 0, "how long each request takes (to see 409 in progress)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	fs := newFlags("echo")
+	listen := fs.String("listen", "127.0.0.1:9000", "`address` to serve on")
+	delay := fs.Duration("delay", 0, "how long each request takes (to watch duplicates wait)")
+	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
+		return exitStatus(err)
 	}
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
-		fmt.Fprintln(stderr, "idem echo:", err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	fmt.Fprintf(stdout, "idem echo: a toy API on http://%s that numbers every request it runs\n", ln.Addr())
 	var executions atomic.Int64
@@ -49,8 +43,7 @@ func runEcho(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		srv.Shutdown(context.Background())
 	}()
 	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		fmt.Fprintln(stderr, "idem echo:", err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	return 0
 }

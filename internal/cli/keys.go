@@ -8,9 +8,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -21,16 +21,16 @@ import (
 	"github.com/idemhq/idem/reconcile"
 )
 
-const keysUsage = `Usage:
-  idem keys ls      [--store DSN] [--state stale|unknown] [--limit N]
-  idem keys show    KEY [--scope S] [--store DSN]
-  idem keys resolve KEY [--scope S] [--store DSN] --failed
-  idem keys resolve KEY [--scope S] [--store DSN] --completed --status N [--body TEXT | --body-file F] [--header 'Name: value']…
-  idem keys purge   --before TIME [--store DSN]      (TIME: RFC 3339, or a duration ago such as 72h)
-
-The store defaults to $IDEM_STORE, then sqlite:idem.db. Scopes are shown and
-given as stored (the proxy stores a SHA-256 of the scope header).
-`
+// printKeysUsage lists the subcommands of idem keys.
+func printKeysUsage(w io.Writer) {
+	fmt.Fprint(w, "idem keys: list, inspect, resolve and purge records in any store.\n\nCommands:\n")
+	for _, c := range commands {
+		if name, ok := strings.CutPrefix(c.name, "keys "); ok {
+			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
+		}
+	}
+	fmt.Fprint(w, "\nThe store is --store, then $IDEM_STORE, then sqlite:idem.db. A scope is the SHA-256 of the\ncaller's scope headers (Authorization by default), in hex; --scope takes it or its start.\nRun 'idem keys COMMAND --help' for a command's flags and examples.\n")
+}
 
 // headerFlags collects repeated --header values.
 type headerFlags http.Header
@@ -43,22 +43,6 @@ func (h headerFlags) Set(v string) error {
 	}
 	http.Header(h).Add(strings.TrimSpace(name), strings.TrimSpace(value))
 	return nil
-}
-
-// interleaved parses flags that may come before or after positional
-// arguments (idem keys show KEY --scope S).
-func interleaved(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		if fs.NArg() == 0 {
-			return pos, nil
-		}
-		pos = append(pos, fs.Arg(0))
-		args = fs.Args()[1:]
-	}
 }
 
 // keysCommand is one subcommand of idem keys: its own flags, how many
@@ -76,97 +60,202 @@ var errUsage = errors.New("usage")
 
 func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprint(stderr, keysUsage)
+		printKeysUsage(stderr)
 		return 2
 	}
 	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		fmt.Fprint(stdout, keysUsage)
+		printKeysUsage(stdout)
 		return 0
 	}
 	sub := args[0]
 	cmd, ok := keysCommands[sub]
 	if !ok {
-		fmt.Fprintf(stderr, "idem keys: unknown command %q\n\n%s", sub, keysUsage)
+		fmt.Fprintf(stderr, "idem keys: unknown command %q\n\n", sub)
+		printKeysUsage(stderr)
 		return 2
 	}
-	fs := flag.NewFlagSet("idem keys "+sub, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, keysUsage) }
-	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN [$IDEM_STORE]")
+	fs := newFlags("keys " + sub)
+	store := storeFlag(fs, env)
 	run := cmd.flags(fs)
-	pos, err := interleaved(fs, args[1:])
-	if errors.Is(err, flag.ErrHelp) {
-		return 0
-	}
-	if err != nil || len(pos) != cmd.keys {
-		if err == nil {
-			fmt.Fprint(stderr, keysUsage)
-		}
+	pos, err := parseFlags(fs, args[1:], stdout, stderr)
+	switch {
+	case err != nil:
+		return exitStatus(err)
+	case len(pos) != cmd.keys:
+		usageError(stderr, fs.Name(), fmt.Sprintf("takes %d key, not %d", cmd.keys, len(pos)))
 		return 2
 	}
 	opened, err := storeopen.Open(ctx, *store)
 	if err != nil {
-		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	defer opened.Close()
 	eng, err := idem.New(idem.Config{Store: opened.Store})
 	if err != nil {
-		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	switch err := run(ctx, eng, pos, stdout); {
 	case errors.Is(err, errUsage):
-		fmt.Fprintf(stderr, "idem keys %s: %v\n\n%s", sub, err, keysUsage)
+		usageError(stderr, fs.Name(), strings.TrimPrefix(err.Error(), "usage: "))
 		return 2
 	case err != nil:
-		fmt.Fprintf(stderr, "idem keys %s: %v\n", sub, err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	return 0
 }
 
 func keysLs(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
-	state := fs.String("state", "stale", "stale (unknown, or in progress past its lease) or unknown")
-	limit := fs.Int("limit", 1000, "at most this many records")
+	states := fs.String("state", "", "only records in these `states`, comma-separated: in_progress, completed, failed, unknown; or stale (unknown, or in progress past its lease)")
+	scope := fs.String("scope", "", "only records whose scope begins with this `prefix`")
+	key := fs.String("key", "", "only records whose key begins with this `prefix`")
+	since := fs.String("since", "", "only records created at or after this `time` (RFC 3339, or a duration ago such as 2h)")
+	until := fs.String("until", "", "only records created before this `time` (RFC 3339, or a duration ago)")
+	limit := fs.Int("limit", 100, "at most this many records")
+	asJSON := fs.Bool("json", false, "print each record as a line of JSON, response included")
 	return func(ctx context.Context, eng *idem.Engine, _ []string, stdout io.Writer) error {
-		if *state != "stale" && *state != "unknown" {
-			return fmt.Errorf("%w: --state %q: want stale or unknown", errUsage, *state)
+		p := idem.ListParams{ScopePrefix: *scope, KeyPrefix: *key}
+		stale := false
+		for _, st := range strings.Split(*states, ",") {
+			switch st := idem.State(strings.TrimSpace(st)); {
+			case st == "":
+			case st == "stale":
+				stale = true
+			case st.Valid():
+				p.States = append(p.States, st)
+			default:
+				return fmt.Errorf("%w: --state %q: want in_progress, completed, failed, unknown or stale", errUsage, st)
+			}
 		}
-		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "SCOPE\tKEY\tSTATE\tFENCE\tLEASE ENDED\tCHECKPOINTS")
-		shown, cursor := 0, ""
-		for shown < *limit {
-			page, err := eng.Scan(ctx, 0, cursor)
+		if stale && (len(p.States) > 0 || *scope != "" || *key != "" || *since != "" || *until != "") {
+			return fmt.Errorf("%w: --state stale lists what the reconciler sees, and takes no other filter", errUsage)
+		}
+		var err error
+		now := time.Now()
+		if p.CreatedFrom, err = parseTime("--since", *since, now); err != nil {
+			return fmt.Errorf("%w: %v", errUsage, err)
+		}
+		if p.CreatedBefore, err = parseTime("--until", *until, now); err != nil {
+			return fmt.Errorf("%w: %v", errUsage, err)
+		}
+		if *limit <= 0 {
+			return fmt.Errorf("%w: --limit %d: want at least 1", errUsage, *limit)
+		}
+		page := func(cursor string) (idem.ScanResult, error) {
+			if stale {
+				return eng.Scan(ctx, min(*limit, 1000), cursor)
+			}
+			p.Cursor, p.Limit = cursor, min(*limit, 1000)
+			return eng.List(ctx, p)
+		}
+		var found []idem.Record
+		seen := map[[2]string]bool{}
+		more := false
+		for cursor := ""; ; {
+			res, err := page(cursor)
 			if err != nil {
 				return err
 			}
-			for _, r := range page.Records {
-				if (*state == "unknown" && r.State != idem.StateUnknown) || shown == *limit {
-					continue
+			for _, r := range res.Records {
+				id := [2]string{r.Scope, r.Key}
+				if seen[id] {
+					continue // a store may return a record twice over a listing
 				}
-				shown++
-				var cps []string
-				for _, c := range r.Checkpoints {
-					cps = append(cps, c.Name)
+				if len(found) == *limit {
+					more = true
+					break
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\n", short(r.Scope), r.Key, r.State, r.Fence,
-					r.LeaseExpires.UTC().Format(time.RFC3339), strings.Join(cps, ","))
+				seen[id] = true
+				found = append(found, r)
 			}
-			if cursor = page.Cursor; cursor == "" {
+			if cursor = res.Cursor; cursor == "" || more {
 				break
 			}
 		}
+		slices.SortFunc(found, func(a, b idem.Record) int { return a.Created.Compare(b.Created) })
+		if *asJSON {
+			enc := json.NewEncoder(stdout)
+			for _, r := range found {
+				if err := enc.Encode(recordView(r)); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "CREATED\tSCOPE\tKEY\tSTATE\tSTATUS\tFENCE\tLEASE ENDS\tEXPIRES\tCHECKPOINTS")
+		for _, r := range found {
+			status, expires := "-", "-"
+			if r.Response != nil {
+				status = strconv.Itoa(r.Response.Status)
+			}
+			if !r.Expires.IsZero() {
+				expires = r.Expires.UTC().Format(time.RFC3339)
+			}
+			var cps []string
+			for _, c := range r.Checkpoints {
+				cps = append(cps, c.Name)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", r.Created.UTC().Format(time.RFC3339), cmp.Or(r.Scope, "-"), r.Key, r.State,
+				status, r.Fence, r.LeaseExpires.UTC().Format(time.RFC3339), expires, cmp.Or(strings.Join(cps, ","), "-"))
+		}
 		tw.Flush()
-		fmt.Fprintf(stdout, "%d record(s)\n", shown)
+		switch {
+		case more:
+			fmt.Fprintf(stdout, "%d record(s) shown; there are more: raise --limit or narrow the listing\n", len(found))
+		default:
+			fmt.Fprintf(stdout, "%d record(s)\n", len(found))
+		}
 		return nil
 	}
 }
 
+// findRecord returns the record of key under scope, which may be given by a
+// prefix, or left out when only one scope holds the key.
+func findRecord(ctx context.Context, eng *idem.Engine, scope, key string) (idem.Record, error) {
+	r, err := eng.Get(ctx, scope, key)
+	if !errors.Is(err, idem.ErrNotFound) {
+		return r, err
+	}
+	var matches []idem.Record
+	p := idem.ListParams{ScopePrefix: scope, KeyPrefix: key, Limit: 1000}
+	for {
+		res, err := eng.List(ctx, p)
+		if err != nil {
+			return idem.Record{}, err
+		}
+		for _, r := range res.Records {
+			if r.Key == key && !slices.ContainsFunc(matches, func(m idem.Record) bool { return m.Scope == r.Scope }) {
+				matches = append(matches, r)
+			}
+		}
+		if p.Cursor = res.Cursor; p.Cursor == "" {
+			break
+		}
+	}
+	switch len(matches) {
+	case 0:
+		where := "in any scope"
+		if scope != "" {
+			where = fmt.Sprintf("in a scope that begins with %q", scope)
+		}
+		return idem.Record{}, fmt.Errorf("no record of key %q %s (it may have expired; idem keys ls --key lists keys by prefix)", key, where)
+	case 1:
+		return matches[0], nil
+	}
+	scopes := make([]string, len(matches))
+	for i, m := range matches {
+		scopes[i] = m.Scope
+	}
+	return idem.Record{}, fmt.Errorf("%w: key %q is in %d scopes (%s): say which with --scope", errUsage, key, len(matches), strings.Join(scopes, ", "))
+}
+
+// scopeUsage is the help of the --scope flag of show and resolve.
+const scopeUsage = "the record's `scope` as idem keys ls shows it, or the start of it; none when only one scope holds the key"
+
 func keysShow(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
-	scope := fs.String("scope", "", "the record's scope, as stored")
+	scope := fs.String("scope", "", scopeUsage)
 	return func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error {
-		r, err := eng.Get(ctx, *scope, pos[0])
+		r, err := findRecord(ctx, eng, *scope, pos[0])
 		if err != nil {
 			return err
 		}
@@ -178,20 +267,20 @@ func keysShow(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io
 }
 
 func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
-	scope := fs.String("scope", "", "the record's scope, as stored")
+	scope := fs.String("scope", "", scopeUsage)
 	failed := fs.Bool("failed", false, "nothing happened; release the key")
 	completed := fs.Bool("completed", false, "it happened; store this outcome for replay")
-	status := fs.Int("status", 0, "with --completed: the HTTP status to replay")
-	body := fs.String("body", "", "with --completed: the body to replay")
-	bodyFile := fs.String("body-file", "", "with --completed: a file holding the body to replay")
+	status := fs.Int("status", 0, "with --completed: the HTTP `status` to replay")
+	body := fs.String("body", "", "with --completed: the `body` to replay")
+	bodyFile := fs.String("body-file", "", "with --completed: a `file` holding the body to replay")
 	force := fs.Bool("force", false, "even a record whose lease is still running")
 	header := headerFlags{}
-	fs.Var(header, "header", "with --completed: a header to replay, 'Name: value' (repeatable)")
+	fs.Var(header, "header", "with --completed: a `header` to replay, 'Name: value' (repeatable)")
 	return func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error {
 		if *failed == *completed {
 			return fmt.Errorf("%w: say --failed or --completed", errUsage)
 		}
-		r, err := eng.Get(ctx, *scope, pos[0])
+		r, err := findRecord(ctx, eng, *scope, pos[0])
 		if err != nil {
 			return err
 		}
@@ -222,11 +311,11 @@ func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string,
 }
 
 func keysPurge(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.Writer) error {
-	before := fs.String("before", "", "settled records that expired before this time (RFC 3339, or a duration ago such as 72h)")
+	before := fs.String("before", "", "delete settled records that expired before this `time` (RFC 3339, or a duration ago such as 72h); never one still replayed")
 	return func(ctx context.Context, eng *idem.Engine, _ []string, stdout io.Writer) error {
-		t, err := parseBefore(*before, time.Now())
-		if err != nil {
-			return fmt.Errorf("%w: %v", errUsage, err)
+		t, err := parseTime("--before", *before, time.Now())
+		if err != nil || t.IsZero() {
+			return fmt.Errorf("%w: %v", errUsage, cmp.Or(err, errors.New("--before is required")))
 		}
 		progress := newProgress(fs.Output(), "purging")
 		total, err := eng.Prune(ctx, idem.PruneOptions{Before: t, Progress: progress.update})
@@ -239,10 +328,11 @@ func keysPurge(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, i
 	}
 }
 
-// parseBefore reads an RFC 3339 time, or a duration meaning that long ago.
-func parseBefore(s string, now time.Time) (time.Time, error) {
+// parseTime reads flag's value: an RFC 3339 time, or a duration meaning
+// that long ago; "" is the zero time.
+func parseTime(flag, s string, now time.Time) (time.Time, error) {
 	if s == "" {
-		return time.Time{}, errors.New("--before is required")
+		return time.Time{}, nil
 	}
 	if t, err := time.Parse(time.RFC3339, s); err == nil {
 		return t, nil
@@ -250,17 +340,7 @@ func parseBefore(s string, now time.Time) (time.Time, error) {
 	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
 		return now.Add(-d), nil
 	}
-	return time.Time{}, fmt.Errorf("--before %q: want an RFC 3339 time or a duration such as 72h", s)
-}
-
-func short(scope string) string {
-	if scope == "" {
-		return "-"
-	}
-	if len(scope) > 16 {
-		return scope[:12] + "…"
-	}
-	return scope
+	return time.Time{}, fmt.Errorf("%s %q: want an RFC 3339 time such as 2026-11-01T00:00:00Z or a duration ago such as 72h", flag, s)
 }
 
 type responseView struct {
@@ -310,21 +390,23 @@ func printJSON(w io.Writer, v any) int {
 // runReconcile runs the reconciler against a store, asking a web service
 // (reconcile.HTTPResolver) what happened to each stale record.
 func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("idem reconcile", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	store := fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "store DSN")
-	url := fs.String("resolver-url", env("IDEM_RESOLVER_URL"), "URL that answers for stale records (see the reconcile package's HTTPResolver) [$IDEM_RESOLVER_URL]")
+	fs := newFlags("reconcile")
+	store := storeFlag(fs, env)
+	url := fs.String("resolver-url", env("IDEM_RESOLVER_URL"), "`URL` that answers for stale records (see the reconcile package's HTTPResolver) [$IDEM_RESOLVER_URL]")
+	newLog := logFlag(fs, env, stderr)
 	once := fs.Bool("once", false, "make one pass, print what it did, and exit")
-	grace := fs.Duration("grace", reconcile.DefaultGrace, "how long past its lease a record is left to its owner")
+	grace := fs.Duration("grace", reconcile.DefaultGrace, "how long past its lease a record is left to its owner; 0s for none")
 	every := fs.Duration("interval", reconcile.DefaultInterval, "time between passes")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
+		return exitStatus(err)
 	}
 	if *url == "" {
-		fmt.Fprintln(stderr, "idem reconcile: --resolver-url is required")
+		usageError(stderr, fs.Name(), "--resolver-url is required")
+		return 2
+	}
+	log, err := newLog()
+	if err != nil {
+		usageError(stderr, fs.Name(), err.Error())
 		return 2
 	}
 	open := storeopen.OpenEventually // a long-running reconciler rides out a store that is down
@@ -333,26 +415,22 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 	}
 	opened, err := open(ctx, *store)
 	if err != nil {
-		fmt.Fprintln(stderr, "idem reconcile:", err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	defer opened.Close()
 	eng, err := idem.New(idem.Config{Store: opened.Store})
 	if err != nil {
-		fmt.Fprintln(stderr, "idem reconcile:", err)
-		return 1
+		return fail(stderr, fs.Name(), err)
 	}
 	r, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: reconcile.HTTPResolver{URL: *url}, Grace: graceOf(*grace), Interval: *every,
-		Logger: slog.New(slog.NewTextHandler(stderr, nil))})
+		Logger: log})
 	if err != nil {
-		fmt.Fprintln(stderr, "idem reconcile:", err)
-		return 2
+		return fail(stderr, fs.Name(), err)
 	}
 	if *once {
 		rep, err := r.RunOnce(ctx)
 		if err != nil {
-			fmt.Fprintln(stderr, "idem reconcile:", err)
-			return 1
+			return fail(stderr, fs.Name(), err)
 		}
 		fmt.Fprintf(stdout, "stale %d: completed %d, failed %d, still unknown %d, waiting %d, settled elsewhere %d, errors %d\n",
 			rep.Stale, rep.Completed, rep.Failed, rep.Unknown, rep.Waiting, rep.Lost, rep.Errors)

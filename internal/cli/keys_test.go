@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -76,28 +77,71 @@ func seed(t *testing.T) (dsn string, eng func() *idem.Engine) {
 func TestKeysCommands(t *testing.T) {
 	dsn, engine := seed(t)
 
-	code, out, _ := run(t, "keys", "ls", "--store", dsn)
-	if code != 0 || !strings.Contains(out, "stuck") || !strings.Contains(out, "authorize") || !strings.Contains(out, "unknown") ||
-		strings.Contains(out, "done") || strings.Contains(out, "running") {
-		t.Fatalf("keys ls: %d\n%s", code, out)
-	}
-	if _, out, _ := run(t, "keys", "ls", "--store", dsn, "--state", "unknown"); strings.Contains(out, "stuck") || !strings.Contains(out, "unknown") {
-		t.Fatalf("keys ls --state unknown:\n%s", out)
-	}
-
-	code, out, _ = run(t, "keys", "show", "done", "--scope", "tenant", "--store", dsn)
-	var shown struct {
-		State    string
-		Response struct {
-			Status int
-			Body   string
+	// keys ls lists every live record, whatever its state; the filters
+	// narrow it down.
+	for _, c := range []struct {
+		args []string
+		want []string
+	}{
+		{nil, []string{"done", "running", "stuck", "unknown"}},
+		{[]string{"--state", "stale"}, []string{"stuck", "unknown"}},
+		{[]string{"--state", "completed"}, []string{"done"}},
+		{[]string{"--state", "unknown,in_progress"}, []string{"running", "stuck", "unknown"}},
+		{[]string{"--key", "st"}, []string{"stuck"}},
+		{[]string{"--since", "1h"}, []string{"done", "running"}},
+		{[]string{"--until", "1h"}, []string{"stuck", "unknown"}},
+		{[]string{"--scope", "ten", "--state", "failed"}, nil},
+		{[]string{"--scope", "other"}, nil},
+	} {
+		code, out, errOut := run(t, append([]string{"keys", "ls", "--store", dsn, "--json"}, c.args...)...)
+		var got []string
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			var r struct{ Scope, Key string }
+			if line != "" && json.Unmarshal([]byte(line), &r) == nil && r.Scope == "tenant" {
+				got = append(got, r.Key)
+			}
+		}
+		slices.Sort(got)
+		if code != 0 || !slices.Equal(got, c.want) {
+			t.Errorf("keys ls %v: %d %v (%s); want %v", c.args, code, got, errOut, c.want)
 		}
 	}
-	if err := json.Unmarshal([]byte(out), &shown); code != 0 || err != nil || shown.State != "completed" || shown.Response.Status != 201 || shown.Response.Body != `{"id":"ch_1"}` {
-		t.Fatalf("keys show: %d %v\n%s", code, err, out)
+	code, out, _ := run(t, "keys", "ls", "--store", dsn, "--state", "stale")
+	if code != 0 || !strings.Contains(out, "stuck") || !strings.Contains(out, "authorize") || !strings.Contains(out, "2 record(s)") {
+		t.Fatalf("keys ls --state stale: %d\n%s", code, out)
 	}
-	if code, _, errOut := run(t, "keys", "show", "absent", "--store", dsn); code != 1 || !strings.Contains(errOut, "not found") {
+	if code, out, _ := run(t, "keys", "ls", "--store", dsn, "--limit", "1"); code != 0 || !strings.Contains(out, "1 record(s) shown; there are more") {
+		t.Fatalf("keys ls --limit 1: %d\n%s", code, out)
+	}
+	for _, args := range [][]string{{"--state", "done"}, {"--state", "stale", "--key", "a"}, {"--since", "yesterday"}, {"--limit", "0"}} {
+		if code, _, errOut := run(t, append([]string{"keys", "ls", "--store", dsn}, args...)...); code != 2 || !strings.Contains(errOut, "--help") {
+			t.Errorf("keys ls %v: exit %d %q; want a usage error", args, code, errOut)
+		}
+	}
+
+	// show finds a key by its scope, the start of it, or alone when only
+	// one scope holds it.
+	for _, scope := range []string{"tenant", "ten", ""} {
+		code, out, errOut := run(t, "keys", "show", "done", "--scope", scope, "--store", dsn)
+		var shown struct {
+			State    string
+			Response struct {
+				Status int
+				Body   string
+			}
+		}
+		if err := json.Unmarshal([]byte(out), &shown); code != 0 || err != nil || shown.State != "completed" || shown.Response.Status != 201 || shown.Response.Body != `{"id":"ch_1"}` {
+			t.Fatalf("keys show --scope %q: %d %v %s\n%s", scope, code, err, errOut, out)
+		}
+	}
+	if code, _, errOut := run(t, "keys", "show", "absent", "--store", dsn); code != 1 || !strings.Contains(errOut, `no record of key "absent"`) {
 		t.Fatalf("keys show of a missing key: %d %s", code, errOut)
+	}
+	if _, err := engine().Begin(context.Background(), idem.BeginParams{Scope: "other", Key: "done", Fingerprint: fp}); err != nil {
+		t.Fatal(err)
+	}
+	if code, _, errOut := run(t, "keys", "show", "done", "--store", dsn); code != 2 || !strings.Contains(errOut, "in 2 scopes (other, tenant)") {
+		t.Fatalf("keys show of a key two scopes hold: %d %s", code, errOut)
 	}
 
 	code, _, errOut := run(t, "keys", "resolve", "stuck", "--scope", "tenant", "--store", dsn, "--completed", "--status", "201",

@@ -2,7 +2,10 @@ package cli
 
 import (
 	"encoding"
+	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"reflect"
 	"slices"
 	"strconv"
@@ -28,33 +31,36 @@ type setting struct {
 }
 
 // settingHelp is each setting's help line, by its last YAML name.
+// A word in backquotes names the flag's value in help (flag.UnquoteUsage).
 var settingHelp = map[string]string{
-	"listen":              "address to serve the proxied API on",
-	"upstream":            "URL of the API behind the proxy (required)",
-	"store":               "store DSN: sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://…, memory:",
-	"admin_listen":        "address of /healthz, /readyz and /metrics (empty: off)",
+	"listen":              "`address` to serve the proxied API on",
+	"upstream":            "`URL` of the API behind the proxy (required)",
+	"store":               "the store, a `DSN`: " + storeKinds,
+	"admin_listen":        "`address` of /healthz, /readyz and /metrics (Prometheus); empty: none",
 	"upstream_timeout":    "wait for the upstream's response headers; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
 	"lease":               "lease length, renewed while the upstream works",
 	"retention":           "how long outcomes are replayed",
 	"poll":                "how often a waiting duplicate looks again when nothing wakes it",
 	"store_timeout":       "bound on each store call for a request, retries included",
-	"journal_dir":         "directory where outcomes wait while the store is unreachable (none: memory only)",
+	"journal_dir":         "`directory` where outcomes wait while the store is unreachable (none: memory only)",
 	"read_header_timeout": "bound on reading a request's headers",
 	"read_timeout":        "bound on reading a whole request, body included",
 	"write_timeout":       "bound from a request's headers to the end of its response; keep it above upstream-timeout + wait",
 	"idle_timeout":        "close a kept-alive client connection idle this long",
-	"max_header_bytes":    "the largest request headers accepted, in bytes",
-	"methods":             "methods covered (repeatable, or comma-separated)",
+	"max_header_bytes":    "the largest request headers accepted",
+	"methods":             "`method`s covered (repeatable, or comma-separated)",
 	"require_key":         "answer 400 to covered requests without a key",
-	"key_format":          "keys accepted: any or uuid",
-	"scope_headers":       "headers whose SHA-256 scopes keys per caller (repeatable), or none",
-	"canonical_json":      "fingerprint JSON bodies in their RFC 8785 canonical form",
-	"include_fields":      "fingerprint only these JSON members, dotted (repeatable)",
-	"exclude_fields":      "leave these JSON members out of the fingerprint, dotted (repeatable)",
-	"max_request_body":    "the largest request body accepted, in bytes",
-	"max_response_body":   "the largest response body stored for replay, in bytes",
-	"store_headers":       "store and replay only these response headers (repeatable; default all but credentials and hop-by-hop)",
+	"key_format":          "`format` of the keys accepted: any or uuid",
+	"log_format":          "`format` of log lines: text or json",
+	"access_log":          "log a line for every request: method, path, status, duration, what idem did, key hash",
+	"scope_headers":       "`header`s whose SHA-256 scopes keys per caller (repeatable), or none",
+	"canonical_json":      "fingerprint JSON bodies in their RFC 8785 canonical form (a body that is not JSON: as sent)",
+	"include_fields":      "fingerprint only these JSON `member`s, dotted (repeatable)",
+	"exclude_fields":      "leave these JSON `member`s out of the fingerprint, dotted (repeatable)",
+	"max_request_body":    "the largest request body accepted",
+	"max_response_body":   "the largest response body stored for replay (a larger one is answered once, then 409)",
+	"store_headers":       "store and replay only these response `header`s (repeatable); default: all but credentials and hop-by-hop",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
 	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503",
@@ -85,7 +91,7 @@ func proxySettings() []setting {
 			if yamlOnly[name] {
 				continue
 			}
-			if f.Type.Kind() == reflect.Struct && f.Type != reflect.TypeFor[time.Duration]() {
+			if f.Type.Kind() == reflect.Struct && f.Type != durationType {
 				walk(f.Type, p, name+".")
 				continue
 			}
@@ -102,20 +108,29 @@ func proxySettings() []setting {
 	return out
 }
 
-var textUnmarshaler = reflect.TypeFor[encoding.TextUnmarshaler]()
+var (
+	textUnmarshaler = reflect.TypeFor[encoding.TextUnmarshaler]()
+	durationType    = reflect.TypeFor[time.Duration]()
+)
 
 // set parses v into the setting's field of cfg. A list replaces what was
 // there when reset, and is added to otherwise (a repeated flag).
 func (s setting) set(cfg *proxy.Config, v string, reset bool) error {
-	f := s.field(cfg)
+	return parseValue(s.field(cfg), v, reset)
+}
+
+// parseValue parses v into f: the one parser of every setting, whether it
+// comes from a flag, an IDEM_* variable or the YAML file. Whole numbers are
+// sizes in bytes.
+func parseValue(f reflect.Value, v string, reset bool) error {
 	if f.Addr().Type().Implements(textUnmarshaler) {
 		return f.Addr().Interface().(encoding.TextUnmarshaler).UnmarshalText([]byte(v))
 	}
 	switch {
-	case f.Type() == reflect.TypeFor[time.Duration]():
+	case f.Type() == durationType:
 		d, err := time.ParseDuration(v)
 		if err != nil {
-			return fmt.Errorf("%q is not a duration such as 30s or 24h", v)
+			return fmt.Errorf("%q is not a duration such as 30s, 5m or 24h", v)
 		}
 		f.SetInt(int64(d))
 	case f.Kind() == reflect.String:
@@ -127,9 +142,9 @@ func (s setting) set(cfg *proxy.Config, v string, reset bool) error {
 		}
 		f.SetBool(b)
 	case f.Kind() == reflect.Int || f.Kind() == reflect.Int64:
-		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n < 0 {
-			return fmt.Errorf("%q is not a number of bytes", v)
+		n, err := parseSize(v)
+		if err != nil {
+			return err
 		}
 		f.SetInt(n)
 	case f.Kind() == reflect.Slice && f.Type().Elem().Kind() == reflect.String:
@@ -144,26 +159,78 @@ func (s setting) set(cfg *proxy.Config, v string, reset bool) error {
 		}
 		f.Set(reflect.ValueOf(items))
 	default:
-		return fmt.Errorf("setting %s has a type (%s) this command cannot parse", s.yaml, f.Type())
+		return fmt.Errorf("a %s cannot be given as text", f.Type())
 	}
 	return nil
 }
 
-// show formats the setting's value in cfg for help text.
-func (s setting) show(cfg *proxy.Config) string {
-	v := s.field(cfg).Interface()
-	switch x := v.(type) {
-	case []string:
-		if len(x) == 0 {
-			return "none"
-		}
-		return strings.Join(x, ",")
-	case string:
-		if x == "" {
-			return "none"
+// sizeUnits are the units a size may have: SI and binary multiples.
+var sizeUnits = []struct {
+	name string
+	n    int64
+}{{"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1}}
+
+// parseSize parses a size in bytes: 1048576, 1MiB, 512KiB, 2MB.
+func parseSize(v string) (int64, error) {
+	num, mult := strings.TrimSpace(v), int64(1)
+	for _, u := range sizeUnits {
+		if len(num) > len(u.name) && strings.EqualFold(num[len(num)-len(u.name):], u.name) {
+			num, mult = strings.TrimSpace(num[:len(num)-len(u.name)]), u.n
+			break
 		}
 	}
-	return fmt.Sprint(v)
+	n, err := strconv.ParseInt(num, 10, 64)
+	if err != nil || n < 0 || n > math.MaxInt64/mult {
+		return 0, fmt.Errorf("%q is not a size such as 1048576, 512KiB or 2MiB", v)
+	}
+	return n * mult, nil
+}
+
+// formatSize writes a size the way parseSize reads it, in the largest
+// binary unit that divides it.
+func formatSize(n int64) string {
+	for _, u := range sizeUnits[:3] {
+		if n >= u.n && n%u.n == 0 {
+			return strconv.FormatInt(n/u.n, 10) + u.name
+		}
+	}
+	return strconv.FormatInt(n, 10)
+}
+
+// show formats the setting's value in cfg for help text, the way it would
+// be given; "" for no value.
+func (s setting) show(cfg *proxy.Config) string {
+	f := s.field(cfg)
+	switch x := f.Interface().(type) {
+	case []string:
+		return strings.Join(x, ",")
+	case bool:
+		if !x {
+			return ""
+		}
+	case int, int64:
+		if f.Int() == 0 {
+			return ""
+		}
+		return formatSize(f.Int())
+	case time.Duration:
+		return formatDuration(x)
+	case fmt.Stringer:
+		return x.String()
+	}
+	return fmt.Sprint(f.Interface())
+}
+
+// formatDuration writes d without time.Duration's zero units: 1m, not 1m0s.
+func formatDuration(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = s[:len(s)-2]
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = s[:len(s)-2]
+	}
+	return s
 }
 
 // flagSetting is a setting's flag: its text until the settings are applied
@@ -180,13 +247,25 @@ func (f *flagSetting) Set(v string) error {
 }
 func (f *flagSetting) IsBoolFlag() bool { return f.s.typ.Kind() == reflect.Bool }
 
+// placeholder names the flag's value in help, unless its usage does.
+func (f *flagSetting) placeholder() string {
+	switch {
+	case f.s.typ == durationType:
+		return "duration"
+	case f.s.typ.Kind() == reflect.Int || f.s.typ.Kind() == reflect.Int64:
+		return "size"
+	}
+	return "value"
+}
+
 // decodeProxyYAML reads a configuration file over cfg, which holds the
 // defaults: keys present change what they name, and every route starts from
-// the file's defaults. Unknown keys are errors.
+// the file's defaults. Values are parsed as flags are; an unknown key or a
+// bad value is an error that names its line.
 func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 	var doc yaml.Node
 	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return err
+		return errors.New(strings.TrimPrefix(err.Error(), "yaml: "))
 	}
 	if len(doc.Content) == 0 {
 		return nil // an empty file
@@ -202,7 +281,7 @@ func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 			}
 		}
 	}
-	if err := strictDecode(top, cfg); err != nil {
+	if err := decodeNode(top, reflect.ValueOf(cfg).Elem(), "the file"); err != nil {
 		return err
 	}
 	if routes == nil {
@@ -215,7 +294,7 @@ func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 	for _, n := range routes.Content {
 		r := cfg.Defaults
 		r.Match = ""
-		if err := strictDecode(n, &r); err != nil {
+		if err := decodeNode(n, reflect.ValueOf(&r).Elem(), "a route"); err != nil {
 			return err
 		}
 		cfg.Routes = append(cfg.Routes, r)
@@ -223,61 +302,66 @@ func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 	return nil
 }
 
-// strictDecode decodes n into v after checking that every key in n names a
-// setting of v: an unknown key is an error that names its line.
-func strictDecode(n *yaml.Node, v any) error {
-	if err := checkKeys(n, reflect.TypeOf(v).Elem(), ""); err != nil {
-		return err
+// decodeNode reads n into v (named name in errors): a mapping into a
+// struct by the fields' YAML names, a list or a comma-separated scalar into
+// a list, and any other scalar by parseValue.
+func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
+	if n.Kind == yaml.AliasNode {
+		n = n.Alias
 	}
-	return n.Decode(v)
+	switch {
+	case v.Kind() == reflect.Struct && v.Type() != durationType:
+		if n.Kind != yaml.MappingNode {
+			return fmt.Errorf("line %d: %s must be a mapping of settings", n.Line, name)
+		}
+		fields := map[string]reflect.Value{}
+		yamlFields(v, fields)
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			key := n.Content[i].Value
+			f, ok := fields[key]
+			if !ok {
+				known := slices.Sorted(maps.Keys(fields))
+				return fmt.Errorf("line %d: %s is not a setting of %s (its settings: %s)", n.Content[i].Line, key, name, strings.Join(known, ", "))
+			}
+			if err := decodeNode(n.Content[i+1], f, key); err != nil {
+				return err
+			}
+		}
+	case n.Kind == yaml.ScalarNode && n.Tag == "!!null":
+		v.SetZero()
+	case v.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
+		v.SetZero()
+		for _, item := range n.Content {
+			if item.Kind != yaml.ScalarNode {
+				return fmt.Errorf("line %d: %s is a list of single values", item.Line, name)
+			}
+			if err := parseValue(v, item.Value, false); err != nil {
+				return fmt.Errorf("line %d: %s: %w", item.Line, name, err)
+			}
+		}
+	case n.Kind != yaml.ScalarNode:
+		return fmt.Errorf("line %d: %s takes a single value", n.Line, name)
+	default:
+		if err := parseValue(v, n.Value, true); err != nil {
+			return fmt.Errorf("line %d: %s: %w", n.Line, name, err)
+		}
+	}
+	return nil
 }
 
-// yamlFields maps the YAML names of t's fields, inline ones included, to
-// their types.
-func yamlFields(t reflect.Type, into map[string]reflect.Type) {
+// yamlFields maps the YAML names of struct v's fields, inline ones
+// included, to the fields.
+func yamlFields(v reflect.Value, into map[string]reflect.Value) {
+	t := v.Type()
 	for i := range t.NumField() {
 		f := t.Field(i)
 		tag, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
 		switch {
 		case tag == "-" || !f.IsExported():
 		case opts == "inline":
-			yamlFields(f.Type, into)
+			yamlFields(v.Field(i), into)
 		case tag != "":
-			into[tag] = f.Type
+			into[tag] = v.Field(i)
 		}
 	}
-}
-
-// checkKeys reports the first key of n that names no setting of t.
-func checkKeys(n *yaml.Node, t reflect.Type, where string) error {
-	for t.Kind() == reflect.Pointer {
-		t = t.Elem()
-	}
-	switch {
-	case n.Kind == yaml.MappingNode && t.Kind() == reflect.Struct && t != reflect.TypeFor[time.Duration]():
-		fields := map[string]reflect.Type{}
-		yamlFields(t, fields)
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			key := n.Content[i].Value
-			ft, ok := fields[key]
-			if !ok {
-				known := make([]string, 0, len(fields))
-				for k := range fields {
-					known = append(known, k)
-				}
-				slices.Sort(known)
-				return fmt.Errorf("line %d: %s is not a setting%s (settings: %s)", n.Content[i].Line, key, where, strings.Join(known, ", "))
-			}
-			if err := checkKeys(n.Content[i+1], ft, " of "+key); err != nil {
-				return err
-			}
-		}
-	case n.Kind == yaml.SequenceNode && t.Kind() == reflect.Slice:
-		for _, item := range n.Content {
-			if err := checkKeys(item, t.Elem(), where); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
 }

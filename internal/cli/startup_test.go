@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 )
 
@@ -48,10 +48,7 @@ func TestProxyStartsWhileStoreIsDown(t *testing.T) {
 	defer upstream.Close()
 	for _, tc := range []struct{ name, env string }{{"postgres", "IDEM_TEST_DATABASE_URL"}, {"redis", "IDEM_TEST_REDIS_URL"}} {
 		t.Run(tc.name, func(t *testing.T) {
-			server := os.Getenv(tc.env)
-			if server == "" {
-				t.Skipf("set %s to check start-up with the store down on %s", tc.env, tc.name)
-			}
+			server := testkit.Server(t, tc.env)
 			u, err := url.Parse(server)
 			if err != nil {
 				t.Fatal(err)
@@ -131,9 +128,7 @@ func startRedis(t *testing.T, port string) *exec.Cmd {
 // crash of its store loses records, and it notices the restart (the run_id
 // changes): loudly in its log, on /readyz and in its metrics.
 func TestRedisRestartIsNoticed(t *testing.T) {
-	if os.Getenv("IDEM_TEST_REDIS_URL") == "" {
-		t.Skip("set IDEM_TEST_REDIS_URL to run the Redis tests (this one starts its own redis-server)")
-	}
+	testkit.Server(t, "IDEM_TEST_REDIS_URL") // Redis is there (this test starts a redis-server of its own)
 	port := freePort(t)
 	redis := startRedis(t, port)
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))

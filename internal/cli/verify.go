@@ -4,10 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/idemhq/idem/verify"
@@ -22,28 +22,24 @@ func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
 // runVerify checks an endpoint against the idempotency contract, from the
 // outside.
 func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("idem verify", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlags("verify")
 	cfg := verify.Config{Header: http.Header{}}
-	fs.StringVar(&cfg.URL, "url", "", "the endpoint to check (required)")
-	fs.StringVar(&cfg.Method, "method", "POST", "the method")
-	fs.StringVar(&cfg.Body, "body", "", "a request body the endpoint accepts (default: a small JSON object)")
-	fs.StringVar(&cfg.ChangedBody, "changed-body", "", "another request the endpoint accepts, the 'different payload' (default: the body with one more JSON member)")
-	fs.Var(headerFlags(cfg.Header), "header", "a header for every request, 'Name: value' (repeatable)")
+	fs.StringVar(&cfg.URL, "url", "", "`URL` of the endpoint to check (required)")
+	fs.StringVar(&cfg.Method, "method", "POST", "the `method`")
+	fs.StringVar(&cfg.Body, "body", "", "a request `body` the endpoint accepts (default: a small JSON object)")
+	fs.StringVar(&cfg.ChangedBody, "changed-body", "", "another request `body` the endpoint accepts, the 'different payload' (default: the body's first number plus one, or one more JSON member)")
+	fs.Var(headerFlags(cfg.Header), "header", "a `header` for every request, 'Name: value' (repeatable)")
 	fs.IntVar(&cfg.Concurrency, "concurrency", verify.DefaultConcurrency, "duplicates sent at once")
 	fs.BoolVar(&cfg.RequireKey, "require-key", false, "check that a request without a key gets 400")
-	fs.StringVar(&cfg.ScopeHeader, "scope-header", "Authorization", "the header that tells callers apart")
+	fs.StringVar(&cfg.ScopeHeader, "scope-header", "Authorization", "the `header` that tells callers apart")
 	var creds stringList
-	fs.Var(&creds, "credential", "a value of --scope-header; give two to check that keys are scoped per caller")
+	fs.Var(&creds, "credential", "a `credential`, a value of --scope-header; give two to check that keys are scoped per caller")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
+		return exitStatus(err)
 	}
-	if cfg.URL == "" || fs.NArg() > 0 {
-		fmt.Fprintln(stderr, "idem verify: --url is required (and takes no arguments)")
+	if cfg.URL == "" {
+		usageError(stderr, fs.Name(), "--url is required")
 		return 2
 	}
 	cfg.Credentials = creds
@@ -51,8 +47,12 @@ func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	cfg.Progress = progress.update
 	rep, err := verify.Run(ctx, cfg)
 	progress.done()
-	if err != nil {
-		fmt.Fprintln(stderr, "idem verify:", err)
+	switch {
+	case errors.Is(err, verify.ErrUnreachable):
+		fmt.Fprintf(stderr, "idem verify: %v\nIs the API running, and is --url its address?\n", err)
+		return 1
+	case err != nil:
+		usageError(stderr, fs.Name(), strings.TrimPrefix(err.Error(), "verify: "))
 		return 2
 	}
 	if *asJSON {

@@ -14,7 +14,7 @@ import (
 // fractions of authorizations, drawn independently.
 type Faults struct {
 	// Latency is added to every authorization.
-	Latency time.Duration `json:"latency"`
+	Latency Duration `json:"latency"`
 	// Decline is the share of authorizations declined (an answer, not a fault).
 	Decline float64 `json:"decline"`
 	// Unavailable answers 503 before charging: nothing happened.
@@ -25,6 +25,36 @@ type Faults struct {
 	// LostReply charges the card and then drops the connection: the effect
 	// happened and the caller never hears of it.
 	LostReply float64 `json:"lost_reply"`
+}
+
+// Duration is a time.Duration that JSON spells as Go does: "2ms", "1.5s".
+type Duration time.Duration
+
+// MarshalJSON implements json.Marshaler.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	v, err := time.Duration(0), json.Unmarshal(b, &s)
+	if err == nil {
+		v, err = time.ParseDuration(s)
+	}
+	if err != nil || v < 0 {
+		return fmt.Errorf("%s is not a duration such as \"2ms\" or \"1.5s\"", b)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// check reports a fault rate that is not a fraction.
+func (f Faults) check() error {
+	for name, rate := range map[string]float64{"decline": f.Decline, "unavailable": f.Unavailable, "reset_before": f.ResetBefore, "lost_reply": f.LostReply} {
+		if rate < 0 || rate > 1 {
+			return fmt.Errorf("%s %v: want a fraction from 0 to 1", name, rate)
+		}
+	}
+	return nil
 }
 
 // Payment is an authorization the acquirer made.
@@ -134,9 +164,16 @@ func (a *Acquirer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		writeJSON(w, http.StatusOK, ps[0])
 	case r.Method == http.MethodPut && r.URL.Path == "/faults":
-		var f Faults
-		if err := json.NewDecoder(r.Body).Decode(&f); err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
+		var f Faults // every fault the body leaves out is off
+		dec := json.NewDecoder(io.LimitReader(r.Body, 1<<16))
+		dec.DisallowUnknownFields()
+		err := dec.Decode(&f)
+		if err == nil {
+			err = f.check()
+		}
+		if err != nil {
+			writeJSON(w, http.StatusBadRequest, map[string]string{"error": "faults: " + err.Error() +
+				`; send {"latency":"2ms","decline":0.1,"unavailable":0.05,"reset_before":0.05,"lost_reply":0.05}`})
 			return
 		}
 		a.SetFaults(f)
@@ -167,7 +204,7 @@ func (a *Acquirer) authorize(w http.ResponseWriter, r *http.Request) {
 	unavailable, resetBefore, lostReply, decline := roll(f.Unavailable), roll(f.ResetBefore), roll(f.LostReply), roll(f.Decline)
 	a.mu.Unlock()
 
-	time.Sleep(f.Latency)
+	time.Sleep(time.Duration(f.Latency))
 	switch {
 	case unavailable:
 		a.count(func(s *AcquirerStats) { s.Unavailable++ })

@@ -146,8 +146,46 @@ var (
 	customerRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
 )
 
+// problemTitles are the titles of the service's problem types, by the
+// fragment of their type (docs/payments.md lists them).
+var problemTitles = map[string]string{
+	"invalid-charge":       "Invalid charge",
+	"acquirer-unavailable": "Card acquirer unavailable",
+	"acquirer-silent":      "Card acquirer did not answer",
+	"ledger-failed":        "Charge not recorded",
+	"settled-elsewhere":    "Charge settled by another attempt",
+	"unavailable":          "Service unavailable",
+	"not-found":            "Charge not found",
+	"internal":             "Internal error",
+}
+
 func problem(w http.ResponseWriter, status int, kind, detail string) {
-	(&httpidem.Problem{Type: "https://github.com/idemhq/idem/blob/main/docs/payments.md#" + kind, Title: kind, Status: status, Detail: detail}).Write(w)
+	(&httpidem.Problem{Type: "https://github.com/idemhq/idem/blob/main/docs/payments.md#" + kind, Title: problemTitles[kind],
+		Status: status, Detail: detail}).Write(w)
+}
+
+// chargeExample is a valid charge, for the errors that describe one.
+const chargeExample = `{"amount":1000,"currency":"eur","customer":"cus_1"}`
+
+// decodeCharge reads a charge request and says what is wrong with one that
+// is not valid.
+func decodeCharge(r io.Reader) (chargeRequest, error) {
+	var req chargeRequest
+	dec := json.NewDecoder(io.LimitReader(r, 1<<16))
+	dec.DisallowUnknownFields()
+	switch err := dec.Decode(&req); {
+	case errors.Is(err, io.EOF):
+		return req, errors.New("the body is empty; send a charge such as " + chargeExample)
+	case err != nil:
+		return req, fmt.Errorf("the body is not a charge (%v); send one such as %s", err, chargeExample)
+	case req.Amount < 1 || req.Amount > 1e9:
+		return req, fmt.Errorf("amount %d: want a whole number of cents from 1 to 1000000000", req.Amount)
+	case !currencyRE.MatchString(req.Currency):
+		return req, fmt.Errorf("currency %q: want an ISO 4217 code in lower case, such as eur", req.Currency)
+	case !customerRE.MatchString(req.Customer):
+		return req, fmt.Errorf("customer %q: want 1 to 64 letters, digits, _ or -, such as cus_1", req.Customer)
+	}
+	return req, nil
 }
 
 // chargeID names the charge of a request: the same for every attempt at it.
@@ -157,12 +195,10 @@ func chargeID(l idem.Lease) string {
 
 func (s *Service) createCharge(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	var req chargeRequest
-	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<16))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil || req.Amount <= 0 || req.Amount > 1e9 || !currencyRE.MatchString(req.Currency) || !customerRE.MatchString(req.Customer) {
+	req, err := decodeCharge(r.Body)
+	if err != nil {
 		httpidem.NothingHappened(r) // a corrected request may reuse the key
-		problem(w, http.StatusBadRequest, "invalid-charge", `want {"amount": 1 to 1e9, "currency": "eur", "customer": "cus_1"}`)
+		problem(w, http.StatusBadRequest, "invalid-charge", err.Error())
 		return
 	}
 	lease, ok := httpidem.LeaseFrom(ctx)
@@ -338,7 +374,8 @@ func (s *Service) getCharge(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, errNoRows):
 		problem(w, http.StatusNotFound, "not-found", "no such charge")
 	case err != nil:
-		problem(w, http.StatusServiceUnavailable, "unavailable", err.Error())
+		s.log.Error("payments: reading a charge", "err", err)
+		problem(w, http.StatusServiceUnavailable, "unavailable", "the database could not be reached; retry")
 	default:
 		writeJSON(w, http.StatusOK, c)
 	}
@@ -349,7 +386,8 @@ func (s *Service) getBalance(w http.ResponseWriter, r *http.Request) {
 	err := s.cfg.DB.QueryRow(r.Context(), `SELECT COALESCE(SUM(amount), 0), COUNT(*) FROM payments_ledger WHERE customer = ?`,
 		r.PathValue("id")).Scan(&balance, &debits)
 	if err != nil {
-		problem(w, http.StatusServiceUnavailable, "unavailable", err.Error())
+		s.log.Error("payments: reading a balance", "err", err)
+		problem(w, http.StatusServiceUnavailable, "unavailable", "the database could not be reached; retry")
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"customer": r.PathValue("id"), "balance": balance, "debits": debits})

@@ -165,3 +165,62 @@ func TestUnreachableAcquirerReleases(t *testing.T) {
 		t.Fatalf("acquirer charged %d times", s.Charges)
 	}
 }
+
+// TestInvalidChargeSaysWhy: a charge that is not valid gets a problem with a
+// title a person reads and a detail that names what is wrong; the example
+// it gives is accepted.
+func TestInvalidChargeSaysWhy(t *testing.T) {
+	f := newFixture(t)
+	for body, want := range map[string]string{
+		``: "empty",
+		`{"amount":0,"currency":"eur","customer":"cus_1"}`:       "amount 0",
+		`{"amount":100,"currency":"EUR","customer":"cus_1"}`:     `currency "EUR"`,
+		`{"amount":100,"currency":"eur","customer":"a b"}`:       `customer "a b"`,
+		`{"amount":100,"currency":"eur","customer":"c","tip":1}`: `unknown field "tip"`,
+		`{"amount":"100","currency":"eur","customer":"cus_1"}`:   "not a charge",
+	} {
+		code, p := f.do(t, "POST", "/v1/charges", "k-invalid", body)
+		detail, _ := p["detail"].(string)
+		if code != 400 || p["title"] != "Invalid charge" || !strings.Contains(detail, want) {
+			t.Errorf("%s: %d %v; want 400, title Invalid charge, a detail saying %q", body, code, p, want)
+		}
+	}
+	if code, ch := f.do(t, "POST", "/v1/charges", "k-invalid", `{"amount":1000,"currency":"eur","customer":"cus_1"}`); code != 201 {
+		t.Fatalf("the example the errors give: %d %v", code, ch)
+	}
+}
+
+// TestFaultsEndpoint: faults are set with durations and fractions; an
+// unknown field or a rate out of range is refused and changes nothing.
+func TestFaultsEndpoint(t *testing.T) {
+	acq := httptest.NewServer(payments.NewAcquirer(true, 1))
+	t.Cleanup(acq.Close)
+	put := func(body string) (int, string) {
+		req, _ := http.NewRequest("PUT", acq.URL+"/faults", strings.NewReader(body))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, body := put(`{"latency":"2ms","decline":0.5}`); code != 200 || !strings.Contains(body, `"latency":"2ms"`) {
+		t.Fatalf("set faults: %d %s", code, body)
+	}
+	for _, bad := range []string{`{"bogus":1}`, `{"latency":2000000}`, `{"decline":1.5}`, `{"latency":"-1s"}`} {
+		if code, body := put(bad); code != 400 || !strings.Contains(body, "faults:") {
+			t.Errorf("PUT %s: %d %s; want 400", bad, code, body)
+		}
+	}
+	resp, err := http.Get(acq.URL + "/faults")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var got map[string]any
+	json.NewDecoder(resp.Body).Decode(&got)
+	if got["latency"] != "2ms" || got["decline"] != 0.5 {
+		t.Fatalf("faults after refused changes: %v", got)
+	}
+}

@@ -24,19 +24,19 @@ import (
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store/pgstore"
 )
+
+func TestMain(m *testing.M) { testkit.Main(m) }
 
 // pgThroughFaults returns a PostgreSQL store in a schema of its own whose
 // connections go through a fault-injecting TCP proxy, under application
 // name app, or skips without IDEM_TEST_DATABASE_URL.
 func pgThroughFaults(t *testing.T, app string) (*pgstore.Store, *faultnet.Proxy) {
 	t.Helper()
-	url := os.Getenv("IDEM_TEST_DATABASE_URL")
-	if url == "" {
-		t.Skip("set IDEM_TEST_DATABASE_URL=postgres://… to run the proxy's PostgreSQL fault tests")
-	}
+	url := testkit.Server(t, "IDEM_TEST_DATABASE_URL")
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)

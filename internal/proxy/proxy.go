@@ -38,6 +38,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/store/memstore"
 )
 
 // Defaults for [Config].
@@ -115,6 +116,11 @@ type Config struct {
 	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
 	// finish and store their outcome. Defaults to [DefaultShutdownTimeout].
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// LogFormat is how log lines are written: text or json. Defaults to text.
+	LogFormat string `yaml:"log_format"`
+	// AccessLog logs a line for every request: method, path, status,
+	// duration, what idem did with it and its key hash.
+	AccessLog bool `yaml:"access_log"`
 	// Engine is the engine's configuration (lease, retention, store
 	// timeout, journal directory…); its Store and Notifier are the proxy's
 	// to make. JournalDir defaults to [DefaultJournalDir] ("none": in
@@ -214,9 +220,32 @@ func (cfg Config) Waits() bool {
 	return false
 }
 
-// Validate checks what can be checked without opening anything.
+// Logger returns a logger writing to w in cfg.LogFormat.
+func (cfg Config) Logger(w io.Writer) (*slog.Logger, error) {
+	switch cfg.LogFormat {
+	case "", "text":
+		return slog.New(slog.NewTextHandler(w, nil)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, nil)), nil
+	}
+	return nil, fmt.Errorf("log format %q: want text or json", cfg.LogFormat)
+}
+
+// Validate checks everything that can be checked without opening the
+// store or listening: the upstream, the log format, the engine's settings
+// and every route's.
 func (cfg Config) Validate() error {
-	_, err := cfg.upstreamURL()
+	if _, err := cfg.Logger(io.Discard); err != nil {
+		return err
+	}
+	engCfg := cfg.Engine
+	engCfg.Store, engCfg.JournalDir = memstore.New(), ""
+	eng, err := idem.New(engCfg)
+	if err != nil {
+		return err
+	}
+	defer eng.Close(context.Background())
+	_, err = Handler(cfg, eng, slog.New(slog.DiscardHandler), Hooks{})
 	return err
 }
 
@@ -238,6 +267,17 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 		return nil, err
 	}
 	up := upstream(target, cmp.Or(cfg.UpstreamTimeout, DefaultUpstreamTimeout), log)
+	observe := hooks.Observe
+	if cfg.AccessLog {
+		observe = func(r *http.Request, observed string) {
+			if e, ok := r.Context().Value(accessKey{}).(*accessEntry); ok {
+				e.observed, e.keyHash = observed, httpidem.KeyHashOf(r)
+			}
+			if hooks.Observe != nil {
+				hooks.Observe(r, observed)
+			}
+		}
+	}
 	mux := http.NewServeMux()
 	hasRoot := false
 	add := func(pattern string, rules Route) (err error) {
@@ -248,7 +288,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 		}()
 		var h http.Handler = bypassed(up)
 		if !rules.Bypass {
-			mw, err := rules.middleware(eng, log, hooks.Observe)
+			mw, err := rules.middleware(eng, log, observe)
 			if err != nil {
 				return fmt.Errorf("route %q: %w", pattern, err)
 			}
@@ -271,11 +311,66 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 			return nil, err
 		}
 	}
-	if hooks.Wrap != nil {
-		return hooks.Wrap(mux), nil
+	var h http.Handler = mux
+	if cfg.AccessLog {
+		h = accessLog(h, log)
 	}
-	return mux, nil
+	if hooks.Wrap != nil {
+		h = hooks.Wrap(h)
+	}
+	return h, nil
 }
+
+type accessKey struct{}
+
+// accessEntry is what the access log learns of a request from the
+// middleware.
+type accessEntry struct{ observed, keyHash string }
+
+// accessLog logs a line for every request once it is answered.
+func accessLog(next http.Handler, log *slog.Logger) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		e := &accessEntry{}
+		rec := &recorder{ResponseWriter: w}
+		next.ServeHTTP(rec, r.WithContext(context.WithValue(r.Context(), accessKey{}, e)))
+		attrs := []any{"method", r.Method, "path", r.URL.Path, "status", cmp.Or(rec.status, http.StatusOK),
+			"bytes", rec.bytes, "duration", time.Since(start), "remote", r.RemoteAddr}
+		if e.observed != "" {
+			attrs = append(attrs, "idem", e.observed)
+		}
+		if e.keyHash != "" {
+			attrs = append(attrs, "key_hash", e.keyHash)
+		}
+		log.Info("request", attrs...)
+	})
+}
+
+// recorder notes the status and size of a response; Unwrap lets
+// http.ResponseController reach the writer's Flush and deadlines.
+type recorder struct {
+	http.ResponseWriter
+	status int
+	bytes  int64
+}
+
+func (r *recorder) WriteHeader(status int) {
+	if r.status == 0 {
+		r.status = status
+	}
+	r.ResponseWriter.WriteHeader(status)
+}
+
+func (r *recorder) Write(b []byte) (int, error) {
+	if r.status == 0 {
+		r.status = http.StatusOK
+	}
+	n, err := r.ResponseWriter.Write(b)
+	r.bytes += int64(n)
+	return n, err
+}
+
+func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 
 type sentKey struct{}
 
@@ -310,12 +405,20 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) {
 				status = http.StatusGatewayTimeout
 			}
-			if sent != nil && sent.Load() {
+			log := log.With("method", r.Method, "path", r.URL.Path)
+			hash := httpidem.KeyHashOf(r)
+			if hash != "" {
+				log = log.With("key_hash", hash)
+			}
+			switch {
+			case sent != nil && sent.Load():
 				httpidem.OutcomeUnknown(r)
-				log.Warn("upstream took the request but gave no response: outcome unknown", "err", err)
-			} else {
+				log.Warn("upstream took the request but gave no response: outcome unknown until reconciled", "err", err)
+			case hash != "":
 				httpidem.NothingHappened(r)
-				log.Warn("upstream unreachable: request not sent, key released", "err", err)
+				log.Warn("upstream unreachable: request not sent, key released for its retry", "err", err)
+			default:
+				log.Warn("upstream unreachable: request not sent", "err", err)
 			}
 			(&httpidem.Problem{Type: httpidem.ProblemUpstreamFailed, Title: "Upstream failed", Status: status,
 				Detail: "the upstream did not answer"}).Write(w)
@@ -460,7 +563,14 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 			return err
 		}
 	}
-	log.Info("idem proxy listening", "addr", addr, "upstream", cfg.Upstream, "admin", adminAddr)
+	attrs := []any{"addr", addr, "upstream", cfg.Upstream}
+	if health != nil {
+		attrs = append(attrs, "store", health.Status().Store)
+	}
+	if adminAddr != "" {
+		attrs = append(attrs, "admin", adminAddr)
+	}
+	log.Info("idem proxy listening", attrs...)
 	if ready != nil {
 		ready(addr, adminAddr)
 	}

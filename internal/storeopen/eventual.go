@@ -159,6 +159,14 @@ func (e *eventual) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResul
 	return s.Scan(ctx, p)
 }
 
+func (e *eventual) List(ctx context.Context, p store.ListParams) (idem.ScanResult, error) {
+	s, err := e.store(ctx)
+	if err != nil {
+		return idem.ScanResult{}, err
+	}
+	return s.List(ctx, p)
+}
+
 func (e *eventual) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	s, err := e.store(ctx)
 	if err != nil {

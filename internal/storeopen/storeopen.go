@@ -67,6 +67,12 @@ func (c *closer) close() error {
 	return c.store()
 }
 
+// Kind names the store kind of a DSN, as Opened.Kind does.
+func Kind(dsn string) string {
+	scheme, _, _ := strings.Cut(dsn, ":")
+	return kindOf(scheme)
+}
+
 // kindOf names the store kind of a DSN scheme, as Opened.Kind does.
 func kindOf(scheme string) string {
 	switch scheme {
@@ -147,7 +153,7 @@ func open(ctx context.Context, dsn string) (*Opened, error) {
 	case "memcached":
 		return openMemcached(dsn)
 	}
-	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
+	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
 }
 
 // takeOption removes idem's own query option from a DSN, so the driver
@@ -282,9 +288,10 @@ func openMemcached(dsn string) (*Opened, error) {
 	if err != nil || u.Host == "" {
 		return nil, fmt.Errorf("%w: store %q: want memcached://host:port[,host:port]", idem.ErrInvalid, dsn)
 	}
-	client := memcache.New(strings.Split(u.Host, ",")...)
+	servers := strings.Split(u.Host, ",")
+	client := memcache.New(servers...)
 	client.MaxIdleConns = 64
-	s, err := memcachedstore.New(memcachedstore.Config{Client: client, Prefix: prefix})
+	s, err := memcachedstore.New(memcachedstore.Config{Client: client, Servers: servers, Prefix: prefix})
 	if err != nil {
 		return nil, err
 	}

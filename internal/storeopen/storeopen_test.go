@@ -3,7 +3,6 @@ package storeopen_test
 import (
 	"context"
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -11,7 +10,10 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/testkit"
 )
+
+func TestMain(m *testing.M) { testkit.Main(m) }
 
 // roundTrip opens dsn and runs one request through it.
 func roundTrip(t *testing.T, dsn string) {
@@ -80,11 +82,7 @@ func TestOpenServers(t *testing.T) {
 		{"memcached", "IDEM_TEST_MEMCACHED_ADDR", func(a string) string { return "memcached://" + a + "?idem_prefix=idem-storeopen-test" }},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			base := os.Getenv(c.env)
-			if base == "" {
-				t.Skipf("set %s to open %s", c.env, c.name)
-			}
-			roundTrip(t, c.dsn(base))
+			roundTrip(t, c.dsn(testkit.Server(t, c.env)))
 		})
 	}
 }

@@ -264,6 +264,11 @@ func (s *measured) Scan(ctx context.Context, p store.ScanParams) (r idem.ScanRes
 	return r, err
 }
 
+func (s *measured) List(ctx context.Context, p store.ListParams) (r idem.ScanResult, err error) {
+	s.observe(ctx, "list", func(ctx context.Context) error { r, err = s.next.List(ctx, p); return err })
+	return r, err
+}
+
 func (s *measured) Prune(ctx context.Context, p store.PruneParams) (n int, err error) {
 	s.observe(ctx, "prune", func(ctx context.Context) error { n, err = s.next.Prune(ctx, p); return err })
 	return n, err

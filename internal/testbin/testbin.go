@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"runtime"
 	"testing"
+
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 // Main builds the idem command, sets *bin to its path, runs the tests and
@@ -31,7 +33,5 @@ func Main(m *testing.M, bin *string) {
 		os.RemoveAll(dir)
 		os.Exit(1)
 	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	testkit.Main(m, func() { os.RemoveAll(dir) })
 }

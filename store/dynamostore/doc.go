@@ -1,8 +1,9 @@
 // Package dynamostore is an [store.Store] on Amazon DynamoDB, through
-// aws-sdk-go-v2. Every operation is a single-item request (PutItem,
+// aws-sdk-go-v2. Every write and every Get is a single-item request (PutItem,
 // UpdateItem or GetItem) whose condition expression does the compare-and-set;
 // the logic of [store.AcquireParams.Apply] runs in Go on the item that
-// DynamoDB sends back. The caller builds the *dynamodb.Client (region,
+// DynamoDB sends back. [Store.Scan] queries an index; [Store.List], for
+// operators, scans the table. The caller builds the *dynamodb.Client (region,
 // credentials, retries) and passes it in [Config].
 //
 // # Table
@@ -59,7 +60,8 @@
 // at no cost; IN_PROGRESS and UNKNOWN items never do: they may stand for a
 // side effect nobody has accounted for yet. DynamoDB deletes expired items
 // late (typically within days), so every read checks the expiry itself: an
-// expired item is not found by [Store.Get], not listed by [Store.Scan], and
+// expired item is not found by [Store.Get], not listed by [Store.Scan] or
+// [Store.List], and
 // [Store.Acquire] writes a new record over it, as over no record at all.
 // [Store.Prune] has nothing to do and reports 0.
 //
@@ -78,6 +80,7 @@
 //	mark unknown while the lease runs            1   UpdateItem (2 after it ran out: see Finish)
 //	get                                          1   consistent GetItem
 //	scan page                                    1 per shard queried (an empty scan: Shards)
+//	list page                                    1   consistent Scan of the table
 //	prune                                        0
 //
 // A server that does not send the item back with a failed condition costs
@@ -112,6 +115,24 @@
 // store that reads first would be cheaper. A get costs one read unit per
 // 4 KB; a scan at least half a read unit per shard queried. TTL deletions
 // are free. Only unsettled records are stored twice (the index).
+//
+// # Listing
+//
+// [Store.List] (idem keys ls) has no index to use: each page is one
+// strongly consistent Scan of the table, reading the next Limit items (at
+// most 1,000, or 1 MB) in DynamoDB's order, whatever they hold. A filter
+// expression built from the params (state, expiry, creation time, and a
+// loose test of the scope and key prefixes on pk, which has no attribute
+// of its own for either) spares sending back items that cannot match, and
+// [store.ListParams.Match] decides on the rest. DynamoDB's Limit counts the
+// items read, not those that match, so a page holds fewer than Limit
+// records, often none, until its cursor (the table's LastEvaluatedKey) is
+// empty. A page costs one read unit per 4 KB of all the items it read,
+// bodies included, matching or not; the filter saves transfer, not
+// capacity. A whole listing reads the whole table, expired items that
+// DynamoDB has not yet deleted too: on a large table, list with a small
+// Limit, or in quiet hours, or with provisioned capacity to spare. Items
+// without a state attribute are not records and are skipped.
 //
 // # Limits
 //

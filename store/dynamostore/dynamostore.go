@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -32,6 +33,10 @@ const (
 	// MaxShards is the largest number of partitions of the stale-record index.
 	MaxShards = 1024
 )
+
+// maxRequestItems bounds the items one Query or Scan request asks for, so
+// that a page size of any size fits DynamoDB's Limit (an int32).
+const maxRequestItems = 1000
 
 // maxAttempts bounds the read-decide-write rounds of one call that loses
 // races to concurrent writers of the same item; past it the call gives up
@@ -502,7 +507,7 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 			ExpressionAttributeNames:  e.names,
 			ExpressionAttributeValues: e.valueMap(),
 			ExclusiveStartKey:         pos.last,
-			Limit:                     aws.Int32(int32(min(size-len(res.Records), 1000))),
+			Limit:                     aws.Int32(int32(min(size-len(res.Records), maxRequestItems))),
 		})
 		if err != nil {
 			return store.ScanResult{}, s.translate("scan", err)
@@ -578,6 +583,111 @@ func (s *Store) decodeCursor(c string) (position, error) {
 		}
 	}
 	return pos, nil
+}
+
+// List implements [store.Store]: one strongly consistent Scan of the table
+// per page, which reads at most p.PageSize() items (and at most 1,000, or
+// 1 MB). DynamoDB's Limit counts the items read before its filter, so a
+// page holds the matches among the items it read: at most p.Limit, often
+// fewer or none while the cursor (the table's LastEvaluatedKey) is not
+// empty. The filter expression built from p only spares sending items that
+// cannot match; [store.ListParams.Match] decides on what comes back. A
+// whole listing reads the whole table, in DynamoDB's order; see Listing in
+// the package documentation for its cost.
+func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	if err := store.Ready(ctx, "dynamostore", "list", p); err != nil {
+		return store.ScanResult{}, err
+	}
+	start, err := s.decodeListCursor(p.Cursor)
+	if err != nil {
+		return store.ScanResult{}, err
+	}
+	e := newExpr()
+	filter := listFilter(e, p)
+	out, err := s.client.Scan(ctx, &dynamodb.ScanInput{
+		TableName:                 &s.table,
+		FilterExpression:          &filter,
+		ExpressionAttributeNames:  e.names,
+		ExpressionAttributeValues: e.valueMap(),
+		ExclusiveStartKey:         start,
+		Limit:                     aws.Int32(int32(min(p.PageSize(), maxRequestItems))),
+		ConsistentRead:            aws.Bool(true),
+	})
+	if err != nil {
+		return store.ScanResult{}, s.translate("list", err)
+	}
+	var res store.ScanResult
+	for _, item := range out.Items {
+		st, err := decode(item)
+		if err != nil {
+			return store.ScanResult{}, fmt.Errorf("dynamostore: list: %w", err)
+		}
+		if p.Match(st.Record) {
+			res.Records = append(res.Records, st.Record)
+		}
+	}
+	if len(out.LastEvaluatedKey) > 0 {
+		pk, ok := out.LastEvaluatedKey[attrPK].(*types.AttributeValueMemberS)
+		if !ok {
+			return store.ScanResult{}, fmt.Errorf("dynamostore: list: the table's LastEvaluatedKey has no %s", attrPK)
+		}
+		res.Cursor = store.EncodeCursor(s.owner(), pk.Value)
+	}
+	return res, nil
+}
+
+// listFilter is the filter expression of a List page: a test that every
+// item matching p passes. Items without a state attribute are not records
+// (another application's, or a probe) and are left out. Times are kept as
+// truncated milliseconds, so each bound is taken inclusively. The item
+// layout has no scope or key attribute, so the prefixes are tested loosely:
+// pk holds ":" before the scope and before the key.
+func listFilter(e *expr, p store.ListParams) string {
+	exp := e.n(attrExpires)
+	conds := []string{
+		"attribute_exists(" + e.n(attrState) + ")",
+		"(attribute_not_exists(" + exp + ") OR " + exp + " >= " + e.v(":now", avN(ms(p.Now))) + ")",
+	}
+	if len(p.States) > 0 {
+		var in []string
+		for i, st := range p.States {
+			if !slices.Contains(p.States[:i], st) {
+				in = append(in, e.v(":st"+strconv.Itoa(i), avS(string(st))))
+			}
+		}
+		conds = append(conds, e.n(attrState)+" IN ("+strings.Join(in, ", ")+")")
+	}
+	if p.ScopePrefix != "" {
+		conds = append(conds, "contains("+e.n(attrPK)+", "+e.v(":scope", avS(":"+p.ScopePrefix))+")")
+	}
+	if p.KeyPrefix != "" {
+		conds = append(conds, "contains("+e.n(attrPK)+", "+e.v(":key", avS(":"+p.KeyPrefix))+")")
+	}
+	if !p.CreatedFrom.IsZero() {
+		conds = append(conds, e.n(attrCreated)+" >= "+e.v(":from", avN(ms(p.CreatedFrom))))
+	}
+	if !p.CreatedBefore.IsZero() {
+		conds = append(conds, e.n(attrCreated)+" <= "+e.v(":before", avN(ms(p.CreatedBefore))))
+	}
+	return strings.Join(conds, " AND ")
+}
+
+// decodeListCursor returns the ExclusiveStartKey a List cursor holds (nil
+// for the empty cursor): the partition key last read, a record's or not.
+// It has one field where a Scan cursor has three, so neither is taken for
+// the other.
+func (s *Store) decodeListCursor(c string) (map[string]types.AttributeValue, error) {
+	if c == "" {
+		return nil, nil
+	}
+	f, err := store.DecodeCursor(c, s.owner(), 1)
+	if err != nil {
+		return nil, fmt.Errorf("dynamostore: list: %w", err)
+	}
+	if f[0] == "" {
+		return nil, fmt.Errorf("dynamostore: list: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	}
+	return keyOf(f[0]), nil
 }
 
 // Prune implements [store.Store]. DynamoDB deletes settled records itself

@@ -138,6 +138,13 @@ func TestRoundTrips(t *testing.T) {
 		_, err := s.Prune(ctx, store.PruneParams{Now: now})
 		return err
 	})
+	count("list page", 1, func() error {
+		res, err := s.List(ctx, store.ListParams{Now: now})
+		if err == nil && (len(res.Records) != 1 || res.Cursor != "") {
+			err = fmt.Errorf("listed %+v, want the one record and no cursor", res)
+		}
+		return err
+	})
 
 	// Release, then re-run: the re-creation is a conditional put of the item read.
 	count("acquire", 1, acq("f", tokA, now, owned(tokA)))
@@ -318,6 +325,9 @@ func TestExpiredItemHidden(t *testing.T) {
 	if res, err := s.Scan(ctx, store.ScanParams{Now: later}); err != nil || len(res.Records) != 0 {
 		t.Fatalf("Scan = %+v, %v", res, err)
 	}
+	if res, err := s.List(ctx, store.ListParams{Now: later}); err != nil || len(res.Records) != 0 {
+		t.Fatalf("List = %+v, %v", res, err)
+	}
 	r := acquire(t, s, "s", "done", tokB, later, false)
 	if r.Token != tokB || r.Fence != 1 || r.State != idem.StateInProgress || r.Response != nil || !r.Created.Equal(later) {
 		t.Fatalf("acquire over the expired item = %+v, want a fresh record", r)
@@ -398,6 +408,10 @@ func TestUnavailable(t *testing.T) {
 			_, err := s.Scan(ctx, store.ScanParams{Now: now})
 			return err
 		},
+		"list": func(ctx context.Context, s *Store) error {
+			_, err := s.List(ctx, store.ListParams{Now: now})
+			return err
+		},
 	}
 	for name, url := range map[string]string{
 		"closed port":                 closed,
@@ -445,6 +459,7 @@ func TestCanceledContext(t *testing.T) {
 	errs["finish"] = s.Finish(canceled, idem.FinishParams{Key: "k", Token: tokA, Now: t0, State: idem.StateFailed, Expires: t0.Add(time.Hour)})
 	_, errs["get"] = s.Get(canceled, store.GetParams{Key: "k", Now: t0})
 	_, errs["scan"] = s.Scan(canceled, store.ScanParams{Now: t0})
+	_, errs["list"] = s.List(canceled, store.ListParams{Now: t0})
 	for op, err := range errs {
 		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%s: err = %v, want context.Canceled", op, err)
@@ -485,6 +500,9 @@ func TestMissingTable(t *testing.T) {
 	}
 	if _, err := s.Scan(ctx, store.ScanParams{Now: t0}); !errors.Is(err, ErrTableNotFound) {
 		t.Fatalf("Scan: err = %v, want ErrTableNotFound", err)
+	}
+	if _, err := s.List(ctx, store.ListParams{Now: t0}); !errors.Is(err, ErrTableNotFound) {
+		t.Fatalf("List: err = %v, want ErrTableNotFound", err)
 	}
 }
 
@@ -723,6 +741,24 @@ func TestCursor(t *testing.T) {
 			t.Errorf("Scan with cursor %q: err = %v, want ErrInvalid", bad, err)
 		}
 	}
+
+	// List cursors hold a partition key; neither kind is taken for the other.
+	listCursor := store.EncodeCursor(s.owner(), pkOf("a:b", "c"))
+	if start, err := s.decodeListCursor(listCursor); err != nil || len(start) != 1 || start[attrPK].(*types.AttributeValueMemberS).Value != "3:a:b:c" {
+		t.Fatalf("decodeListCursor = %v, %v", start, err)
+	}
+	if _, err := s.Scan(ctx, store.ScanParams{Now: t0, Cursor: listCursor}); !errors.Is(err, idem.ErrInvalid) {
+		t.Errorf("Scan with a list cursor: err = %v, want ErrInvalid", err)
+	}
+	scanCursor, err := s.encodeCursor(position{shard: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{scanCursor, store.EncodeCursor(s.owner(), "a", "b"), store.EncodeCursor(s.owner(), "")} {
+		if _, err := s.List(ctx, store.ListParams{Now: t0, Cursor: bad}); !errors.Is(err, idem.ErrInvalid) {
+			t.Errorf("List with cursor %q: err = %v, want ErrInvalid", bad, err)
+		}
+	}
 }
 
 // TestFaults runs the suite's network-fault cases, through a TCP proxy
@@ -736,4 +772,97 @@ func TestFaults(t *testing.T) {
 		client, _ := newClient("http://" + addr)
 		return newTestStore(t, client, 0)
 	})
+}
+
+// TestListReadsAPageAtATime: DynamoDB's Limit counts the items a Scan reads,
+// not those that match, so a listing that matches little takes a request
+// per Limit items, each page holding what matched: at most Limit, maybe
+// none. An item that is not a record is skipped, and a page may end on it.
+func TestListReadsAPageAtATime(t *testing.T) {
+	t.Parallel()
+	s, c := countingStore(t, 0)
+	const n = 10 // items: 9 records and another application's item
+	for i := range n - 1 {
+		acquire(t, s, "s", "k"+strconv.Itoa(i), tokA, t0, false)
+	}
+	finish(t, s, "k7", tokA, t0, idem.StateCompleted, okResponse("7"))
+	foreign := map[string]types.AttributeValue{attrPK: avS("not a record"), "data": avS("x")}
+	if _, err := s.client.PutItem(ctx, &dynamodb.PutItemInput{TableName: &s.table, Item: foreign}); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []struct {
+		p    store.ListParams
+		keys int
+	}{
+		{store.ListParams{Now: t0, Limit: 3, States: []idem.State{idem.StateCompleted}}, 1},
+		{store.ListParams{Now: t0, Limit: 3}, n - 1},
+		{store.ListParams{Now: t0, Limit: 1}, n - 1}, // one page ends on the foreign item
+	} {
+		p := want.p
+		seen := map[string]bool{}
+		pages := 0
+		for {
+			if pages++; pages > n+1 {
+				t.Fatalf("states %v: the listing does not end", p.States)
+			}
+			before := c.n.Load()
+			res, err := s.List(ctx, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.n.Load() - before; got != 1 {
+				t.Fatalf("a page took %d requests, want 1", got)
+			}
+			if len(res.Records) > p.Limit {
+				t.Fatalf("a page of %d records with limit %d", len(res.Records), p.Limit)
+			}
+			for _, r := range res.Records {
+				seen[r.Key] = true
+			}
+			if p.Cursor = res.Cursor; p.Cursor == "" {
+				break
+			}
+		}
+		if least := (n + p.Limit - 1) / p.Limit; pages < least {
+			t.Errorf("states %v: %d pages over %d items, want at least %d: a page reads at most Limit items", p.States, pages, n, least)
+		}
+		if len(seen) != want.keys {
+			t.Errorf("states %v: listed %v, want %d keys", p.States, seen, want.keys)
+		}
+	}
+}
+
+// TestListMillisecondBounds: times are stored as whole milliseconds, and the
+// filter sent to DynamoDB must let through every record that Match keeps at
+// bounds between two milliseconds.
+func TestListMillisecondBounds(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, nil, 0)
+	created := t0.Add(400 * time.Microsecond) // stored as t0
+	acquire(t, s, "s", "k", tokA, created, false)
+	finish(t, s, "k", tokA, created, idem.StateCompleted, okResponse("k"))
+	expires := t0.Add(time.Hour) // stored, truncated, by finish
+	half := 500 * time.Microsecond
+	for _, c := range []struct {
+		name string
+		p    store.ListParams
+		want bool
+	}{
+		{"created before, half a millisecond after", store.ListParams{Now: t0, CreatedBefore: t0.Add(half)}, true},
+		{"created before, at it", store.ListParams{Now: t0, CreatedBefore: t0}, false},
+		{"created from, half a millisecond before", store.ListParams{Now: t0, CreatedFrom: t0.Add(-half)}, true},
+		{"created from, half a millisecond after", store.ListParams{Now: t0, CreatedFrom: t0.Add(half)}, false},
+		{"half a millisecond before expiry", store.ListParams{Now: expires.Add(-half)}, true},
+		{"at expiry", store.ListParams{Now: expires}, false},
+		{"scope and key prefixes", store.ListParams{Now: t0, ScopePrefix: "s", KeyPrefix: "k"}, true},
+		{"a key prefix that is the scope", store.ListParams{Now: t0, KeyPrefix: "s"}, false},
+	} {
+		res, err := s.List(ctx, c.p)
+		if err != nil || res.Cursor != "" {
+			t.Fatalf("%s: List = %+v, %v", c.name, res, err)
+		}
+		if got := len(res.Records) == 1; got != c.want {
+			t.Errorf("%s: listed %v, want %v", c.name, got, c.want)
+		}
+	}
 }

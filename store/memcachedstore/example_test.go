@@ -18,12 +18,14 @@ import (
 // key and payload gets the stored response back. It needs a Memcached server
 // (IDEM_TEST_MEMCACHED_ADDR), so it is compiled but not run by go test.
 func Example() {
-	client := memcache.New(os.Getenv("IDEM_TEST_MEMCACHED_ADDR")) // e.g. 127.0.0.1:11211
-	client.MaxIdleConns = 64                                      // the peak number of concurrent calls
-	client.Timeout = time.Second                                  // bounds every call: gomemcache takes no context
+	addr := os.Getenv("IDEM_TEST_MEMCACHED_ADDR") // e.g. 127.0.0.1:11211
+	client := memcache.New(addr)
+	client.MaxIdleConns = 64     // the peak number of concurrent calls
+	client.Timeout = time.Second // bounds every call: gomemcache takes no context
 	defer client.Close()
 
-	store, err := memcachedstore.New(memcachedstore.Config{Client: client, Prefix: "payments"})
+	// Servers repeats the client's addresses, for List (idem keys ls).
+	store, err := memcachedstore.New(memcachedstore.Config{Client: client, Servers: []string{addr}, Prefix: "payments"})
 	if err != nil {
 		log.Fatal(err)
 	}

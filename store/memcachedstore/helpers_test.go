@@ -104,12 +104,16 @@ func randomPrefix(tb testing.TB) string {
 	return "idemtest-" + hex.EncodeToString(b[:])
 }
 
-// newTestStore returns a store of cfg under a fresh prefix. When the test
-// ends, it deletes the indexes and the records they name; settled records
-// expire by themselves.
+// newTestStore returns a store of cfg under a fresh prefix, whose List dumps
+// the test server unless cfg names Servers. When the test ends, it deletes
+// the indexes and the records they name; settled records expire by
+// themselves.
 func newTestStore(tb testing.TB, client *memcache.Client, cfg Config) *Store {
 	tb.Helper()
 	cfg.Client = client
+	if cfg.Servers == nil {
+		cfg.Servers = []string{testAddr(tb)}
+	}
 	if cfg.Prefix == "" {
 		cfg.Prefix = randomPrefix(tb)
 	}

@@ -51,6 +51,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		"too many shards":     {Client: client, Shards: MaxShards + 1},
 		"item too small":      {Client: client, MaxItem: MinMaxItem - 1},
 		"item too large":      {Client: client, MaxItem: MaxMaxItem + 1},
+		"empty server":        {Client: client, Servers: []string{"127.0.0.1:1", ""}},
 	} {
 		if _, err := New(cfg); !errors.Is(err, idem.ErrInvalid) {
 			t.Errorf("New with %s: err = %v, want ErrInvalid", name, err)
@@ -956,6 +957,6 @@ func TestFaults(t *testing.T) {
 	storetest.RunFaults(t, target, func(t *testing.T, addr string) idem.Store {
 		client := memcache.New(addr)
 		client.MaxIdleConns = 1
-		return newTestStore(t, client, Config{})
+		return newTestStore(t, client, Config{Servers: []string{addr}})
 	})
 }

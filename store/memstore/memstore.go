@@ -136,15 +136,29 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 	return *clone(r), nil
 }
 
-// Scan implements [store.Store]. Pages are in scope and key order; the cursor
-// holds the last scope and key returned.
+// Scan implements [store.Store].
 func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
 	if err := p.Validate(); err != nil {
 		return store.ScanResult{}, err
 	}
+	return s.page(ctx, p.Cursor, p.PageSize(), func(r *store.Record) bool { return r.Live(p.Now) && r.Stale(p.Now) })
+}
+
+// List implements [store.Store]: the matching records in the order of
+// their scope and key.
+func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	if err := p.Validate(); err != nil {
+		return store.ScanResult{}, err
+	}
+	return s.page(ctx, p.Cursor, p.PageSize(), func(r *store.Record) bool { return p.Match(*r) })
+}
+
+// page returns up to size records that match, after the cursor's, in the
+// order of their scope and key.
+func (s *Store) page(ctx context.Context, cursor string, size int, match func(*store.Record) bool) (store.ScanResult, error) {
 	after := ""
-	if p.Cursor != "" {
-		f, err := store.DecodeCursor(p.Cursor, s.owner, 2)
+	if cursor != "" {
+		f, err := store.DecodeCursor(cursor, s.owner, 2)
 		if err != nil {
 			return store.ScanResult{}, err
 		}
@@ -155,14 +169,10 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	ids := slices.Sorted(maps.Keys(s.records))
 	var res store.ScanResult
-	for _, k := range ids {
-		if k <= after {
-			continue
-		}
-		if r := s.records[k]; r.Live(p.Now) && r.Stale(p.Now) {
-			if len(res.Records) == p.PageSize() {
+	for _, k := range slices.Sorted(maps.Keys(s.records)) {
+		if r := s.records[k]; k > after && match(r) {
+			if len(res.Records) == size {
 				last := res.Records[len(res.Records)-1]
 				res.Cursor = store.EncodeCursor(s.owner, last.Scope, last.Key)
 				return res, nil

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store/pgstore"
 )
 
@@ -25,21 +25,17 @@ var shared struct {
 }
 
 func TestMain(m *testing.M) {
-	code := m.Run()
-	if shared.pool != nil {
-		shared.pool.Close()
-	}
-	os.Exit(code)
+	testkit.Main(m, func() {
+		if shared.pool != nil {
+			shared.pool.Close()
+		}
+	})
 }
 
 // databaseURL returns the test server's URL, or skips the test.
 func databaseURL(tb testing.TB) string {
 	tb.Helper()
-	url := os.Getenv(envURL)
-	if url == "" {
-		tb.Skip("set IDEM_TEST_DATABASE_URL=postgres://… to run the PostgreSQL tests")
-	}
-	return url
+	return testkit.Server(tb, envURL)
 }
 
 // sharedPool returns the pool every test of this binary shares.

@@ -39,6 +39,7 @@
 //	complete       1  (UPDATE … WHERE token = $n; or inside the caller's transaction with FinishTx)
 //	get            1
 //	scan           1 per page (keyset pagination on scope, key)
+//	list           1 per page (keyset pagination on scope, key; filters read the table)
 //	prune          1 per batch
 //
 // The first use of a statement on a pooled connection also prepares it (pgx's
@@ -143,7 +144,7 @@ type Store struct {
 	pool   *pgxpool.Pool
 	schema string // as configured, unquoted
 
-	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, pruneSQL string
+	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, listSQL, pruneSQL string
 }
 
 // New returns a store on cfg.Pool and, unless cfg.NoMigrate, applies the
@@ -171,6 +172,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		finishSQL:     sub(finishSQL),
 		getSQL:        sub(getSQL),
 		scanSQL:       sub(scanSQL),
+		listSQL:       sub(listSQL),
 		pruneSQL:      sub(pruneSQL),
 	}
 	if !cfg.NoMigrate {
@@ -295,6 +297,20 @@ WHERE state IN ('in_progress', 'unknown')
 	AND (scope, key) > ($2, $3)
 ORDER BY scope, key
 LIMIT $4`
+
+// listSQL returns a page of the live records that match a filter, after
+// the cursor (scope, key): $2 the states (empty: all), $3 and $4 the scope
+// and key prefixes, $5 and $6 the creation range (NULL: open).
+const listSQL = `
+SELECT ` + columns + ` FROM {{table}}
+WHERE (expires IS NULL OR expires > $1)
+	AND (cardinality($2::text[]) = 0 OR state = ANY($2::text[]))
+	AND starts_with(scope, $3) AND starts_with(key, $4)
+	AND ($5::timestamptz IS NULL OR created >= $5)
+	AND ($6::timestamptz IS NULL OR created < $6)
+	AND (scope, key) > ($7, $8)
+ORDER BY scope, key
+LIMIT $9`
 
 // pruneSQL deletes a batch of settled records that expired at or before $1.
 // The inner SELECT finds them on the prune index and locks them, skipping rows
@@ -467,40 +483,65 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	if err := store.Ready(ctx, "pgstore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
+	return s.page(ctx, "scan", s.scanSQL, p.Cursor, p.PageSize(), p.Now)
+}
+
+// List implements [store.Store] with one SELECT per page: the matching
+// records in the order of their scope and key.
+func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	if err := store.Ready(ctx, "pgstore", "list", p); err != nil {
+		return store.ScanResult{}, err
+	}
+	states := make([]string, len(p.States))
+	for i, st := range p.States {
+		states[i] = string(st)
+	}
+	var from, before *time.Time
+	if !p.CreatedFrom.IsZero() {
+		from = &p.CreatedFrom
+	}
+	if !p.CreatedBefore.IsZero() {
+		before = &p.CreatedBefore
+	}
+	return s.page(ctx, "list", s.listSQL, p.Cursor, p.PageSize(), p.Now, states, p.ScopePrefix, p.KeyPrefix, from, before)
+}
+
+// page runs query, whose last three parameters are the cursor's scope and
+// key and a limit, and returns up to size of its records.
+func (s *Store) page(ctx context.Context, op, query, cursor string, size int, args ...any) (store.ScanResult, error) {
 	afterScope, afterKey := "", ""
-	if p.Cursor != "" {
-		f, err := store.DecodeCursor(p.Cursor, "pgstore:"+s.schema, 2)
+	if cursor != "" {
+		f, err := store.DecodeCursor(cursor, "pgstore:"+s.schema, 2)
 		if err != nil {
 			return store.ScanResult{}, err
 		}
 		afterScope, afterKey = f[0], f[1]
 	}
-	size := int64(p.PageSize())
-	fetch := size // one more than a page tells whether another page follows
+	fetch := int64(size) // one more than a page tells whether another page follows
 	if fetch < math.MaxInt64 {
 		fetch++
 	}
-	rows, err := s.pool.Query(ctx, s.scanSQL, p.Now, afterScope, afterKey, fetch)
+	rows, err := s.pool.Query(ctx, query, append(args, afterScope, afterKey, fetch)...)
 	if err != nil {
-		return store.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate(op, err)
 	}
 	defer rows.Close()
 	var res store.ScanResult
 	for rows.Next() {
-		if int64(len(res.Records)) == size {
+		if len(res.Records) == size {
 			last := res.Records[len(res.Records)-1]
 			res.Cursor = store.EncodeCursor("pgstore:"+s.schema, last.Scope, last.Key)
 			break
 		}
 		r, err := scanRecord(rows)
 		if err != nil {
-			return store.ScanResult{}, translate("scan", err)
+			return store.ScanResult{}, translate(op, err)
 		}
 		res.Records = append(res.Records, r)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return store.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate(op, err)
 	}
 	return res, nil
 }

@@ -30,6 +30,19 @@
 // or for a record marked UNKNOWN by its owner before that, the time it was
 // marked). [Store.Scan] reads only these sets.
 //
+// No index lists the settled records, so [Store.List] (an operator's tool,
+// off the hot path) reads every key of Redis with SCAN, MATCH
+// <prefix>{<prefix>:*}:* and TYPE hash, node after node: the one server, or
+// each master of a cluster in the order of their addresses. It filters by
+// scope and key on the Redis key, then on the record's hash read without
+// its response and checkpoints. Its cursor holds the node, the SCAN cursor,
+// and the scope and key of the matching records a SCAN call returned beyond
+// the page's room. Those are few: a call that finds more than fit is made
+// again with a COUNT of the room left, and Redis returns little more than
+// COUNT keys. A resharding of a cluster during a listing may hide the
+// records it moves from that listing; a master that is gone fails the next
+// page with [store.ErrUnavailable].
+//
 // Settled records (COMPLETED, FAILED) get a Redis TTL equal to their
 // remaining retention, so Redis deletes them itself and [Store.Prune] has
 // nothing to do. IN_PROGRESS and UNKNOWN records never have a TTL: they may
@@ -51,6 +64,14 @@
 // goes to every node concurrently. The first run of a script on a server
 // that has not cached it costs one more round trip (EVALSHA answers
 // NOSCRIPT, then EVAL).
+//
+// A list page costs one round trip per SCAN call (COUNT 1000, or the page's
+// room when a call found more matching records than fit, which is then made
+// again), one pipeline per call that returned keys passing the scope and key
+// filter (HMGET of each), and one pipeline that reads the page's records
+// whole (HGETALL each). A page goes on until it is full or every key has
+// been read, so a whole listing costs O(keys in Redis) work on the servers,
+// about one SCAN call per 1000 keys of each node, whatever the filter.
 //
 // # Errors
 //
@@ -157,6 +178,7 @@ type Store struct {
 	shards  uint32
 	tags    []string // tags[i] = prefix + "{" + prefix + ":" + i + "}"
 	pending []string // pending[i] = tags[i] + ":pending"
+	records string   // a SCAN pattern that matches the keys of every shard
 }
 
 // New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
@@ -179,7 +201,9 @@ func New(cfg Config) (*Store, error) {
 	if shards < 1 || shards > MaxShards {
 		return nil, fmt.Errorf("redisstore: %w: shards must be 1 to %d, not %d", store.ErrInvalid, MaxShards, shards)
 	}
-	s := &Store{client: cfg.Client, shards: uint32(shards), tags: make([]string, shards), pending: make([]string, shards)}
+	glob := globEscape(prefix)
+	s := &Store{client: cfg.Client, shards: uint32(shards), tags: make([]string, shards), pending: make([]string, shards),
+		records: glob + "{" + glob + ":*}:*"}
 	for i := range shards {
 		s.tags[i] = prefix + "{" + prefix + ":" + strconv.Itoa(i) + "}"
 		s.pending[i] = s.tags[i] + ":pending"
@@ -199,6 +223,35 @@ func (s *Store) shard(scope, key string) uint32 {
 func (s *Store) keys(scope, key string) (record, pending string) {
 	i := s.shard(scope, key)
 	return s.tags[i] + ":" + strconv.Itoa(len(scope)) + ":" + scope + ":" + key, s.pending[i]
+}
+
+// recordRef returns the scope and key of a record's Redis key, and false for
+// a key that is not the key of one of this store's records (a pending set,
+// another store's record).
+func (s *Store) recordRef(rec string) (scope, key string, ok bool) {
+	_, rest, _ := strings.Cut(rec, "}:") // the prefix holds no brace
+	n, rest, _ := strings.Cut(rest, ":")
+	l, err := strconv.Atoi(n)
+	if err != nil || l < 0 || l >= len(rest) || rest[l] != ':' {
+		return "", "", false
+	}
+	scope, key = rest[:l], rest[l+1:]
+	if r, _ := s.keys(scope, key); r != rec {
+		return "", "", false
+	}
+	return scope, key, true
+}
+
+// globEscape quotes the characters SCAN's MATCH patterns give a meaning.
+func globEscape(s string) string {
+	var b strings.Builder
+	for i := range len(s) {
+		if strings.IndexByte(`*?[]\`, s[i]) >= 0 {
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
 
 // ms converts a time to unix milliseconds, as stored.
@@ -366,7 +419,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	if err != nil {
 		return store.Record{}, translate("acquire", err)
 	}
-	fields, err := fieldValues(v)
+	fields, err := fieldValues(recordFields[:], v)
 	if err != nil {
 		return store.Record{}, fmt.Errorf("redisstore: acquire: %w", err)
 	}
@@ -500,7 +553,11 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 		if len(cands) == 0 {
 			break
 		}
-		recs, err := s.fetch(ctx, cands)
+		members := make([]string, len(cands))
+		for i, c := range cands {
+			members[i] = c.member
+		}
+		recs, err := s.fetch(ctx, "scan", members)
 		if err != nil {
 			return store.ScanResult{}, err
 		}
@@ -554,18 +611,21 @@ func (s *Store) candidates(ctx context.Context, pos position, now string, limit 
 	return out, false, nil
 }
 
-// fetch reads the records of cands in one pipeline; a record that vanished
-// is nil.
-func (s *Store) fetch(ctx context.Context, cands []position) ([]*store.Record, error) {
+// fetch reads the records under the Redis keys recs in one pipeline (none
+// when there are none), for the operation op; a record that vanished is nil.
+func (s *Store) fetch(ctx context.Context, op string, recs []string) ([]*store.Record, error) {
+	if len(recs) == 0 {
+		return nil, nil
+	}
 	pipe := s.client.Pipeline()
-	cmds := make([]*redis.MapStringStringCmd, len(cands))
-	for i, c := range cands {
-		cmds[i] = pipe.HGetAll(ctx, c.member)
+	cmds := make([]*redis.MapStringStringCmd, len(recs))
+	for i, rec := range recs {
+		cmds[i] = pipe.HGetAll(ctx, rec)
 	}
 	if _, err := pipe.Exec(ctx); err != nil {
-		return nil, translate("scan", err)
+		return nil, translate(op, err)
 	}
-	recs := make([]*store.Record, len(cands))
+	out := make([]*store.Record, len(recs))
 	for i, cmd := range cmds {
 		fields := cmd.Val()
 		if len(fields) == 0 {
@@ -573,11 +633,11 @@ func (s *Store) fetch(ctx context.Context, cands []position) ([]*store.Record, e
 		}
 		r, err := decode(fields)
 		if err != nil {
-			return nil, fmt.Errorf("redisstore: scan: record %q: %w", cands[i].member, err)
+			return nil, fmt.Errorf("redisstore: %s: record %q: %w", op, recs[i], err)
 		}
-		recs[i] = &r
+		out[i] = &r
 	}
-	return recs, nil
+	return out, nil
 }
 
 type scriptCall struct {
@@ -643,6 +703,217 @@ func (s *Store) decodeCursor(c string) (position, error) {
 	return position{shard: uint32(shard), score: f[1], member: f[2]}, nil
 }
 
+// listCount is the COUNT of a listing's SCAN calls: how many keys Redis
+// looks at in one call (fewer when a page has less room left).
+const listCount = 1000
+
+// summaryFields are the fields of a record's hash but its response and
+// checkpoints: enough to decide whether it matches a listing.
+var summaryFields = []string{"state", "fp", "token", "fence", "lease", "ts", "created", "updated", "exp", "scope", "key"}
+
+// node is a server whose keys a listing scans: the one server of a
+// standalone Redis (addr empty), or a master of Redis Cluster.
+type node struct {
+	addr   string
+	client *redis.Client
+}
+
+// listCursor is where a listing stands: at SCAN cursor scan of the node
+// addr, or past every node when done; carry holds the Redis keys of
+// matching records that a SCAN call returned but the page had no room for.
+type listCursor struct {
+	addr  string
+	scan  uint64
+	done  bool
+	carry []string
+}
+
+// List implements [store.Store]. It reads every key of Redis with SCAN, node
+// after node, until the page is full or every key has been read; the cursor
+// carries the matching records a SCAN call returned beyond the page's room,
+// so that none is skipped. When a cursor names a cluster master that is
+// gone, List fails with an error wrapping [store.ErrUnavailable]: list
+// again. See the package documentation (Layout, Round trips).
+func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	if err := store.Ready(ctx, "redisstore", "list", p); err != nil {
+		return store.ScanResult{}, err
+	}
+	c, err := s.decodeListCursor(p.Cursor)
+	if err != nil {
+		return store.ScanResult{}, err
+	}
+	nodes, err := s.nodes(ctx)
+	if err != nil {
+		return store.ScanResult{}, err
+	}
+	i := 0 // the node being scanned
+	switch {
+	case c.done:
+		i = len(nodes)
+	case p.Cursor != "":
+		if i = slices.IndexFunc(nodes, func(n node) bool { return n.addr == c.addr }); i < 0 {
+			return store.ScanResult{}, fmt.Errorf("redisstore: list: %w: Redis node %q of the cursor is gone (the cluster changed); list again", store.ErrUnavailable, c.addr)
+		}
+	}
+	size := p.PageSize()
+	want, count := c.carry, int64(listCount)
+	for len(want) < size && i < len(nodes) {
+		keys, next, err := nodes[i].client.ScanType(ctx, c.scan, s.records, count, "hash").Result()
+		if err != nil {
+			return store.ScanResult{}, translate("list", err)
+		}
+		matched, err := s.matching(ctx, p, keys)
+		if err != nil {
+			return store.ScanResult{}, err
+		}
+		if room := int64(size - len(want)); int64(len(matched)) > room && count > room {
+			count = room // read the same keys again, fewer at a time
+			continue
+		}
+		want = append(want, matched...)
+		c.scan, count = next, listCount
+		if next == 0 {
+			i++
+		}
+	}
+	c.carry = nil
+	if len(want) > size {
+		want, c.carry = want[:size], want[size:]
+	}
+	recs, err := s.fetch(ctx, "list", want)
+	if err != nil {
+		return store.ScanResult{}, err
+	}
+	var res store.ScanResult
+	for _, r := range recs {
+		if r != nil && p.Match(*r) {
+			res.Records = append(res.Records, *r)
+		}
+	}
+	c.done, c.addr = i == len(nodes), ""
+	if !c.done {
+		c.addr = nodes[i].addr
+	}
+	if !c.done || len(c.carry) > 0 {
+		res.Cursor = s.encodeListCursor(c)
+	}
+	return res, nil
+}
+
+// nodes returns the servers a listing scans, in a stable order: the client's
+// server, or the masters of a cluster in the order of their addresses.
+func (s *Store) nodes(ctx context.Context) ([]node, error) {
+	switch c := s.client.(type) {
+	case *redis.Client:
+		return []node{{client: c}}, nil
+	case *redis.ClusterClient:
+		var mu sync.Mutex
+		var nodes []node
+		err := c.ForEachMaster(ctx, func(_ context.Context, m *redis.Client) error {
+			mu.Lock()
+			defer mu.Unlock()
+			nodes = append(nodes, node{addr: m.Options().Addr, client: m})
+			return nil
+		})
+		if err != nil {
+			return nil, translate("list", err)
+		}
+		slices.SortFunc(nodes, func(a, b node) int { return strings.Compare(a.addr, b.addr) })
+		return nodes, nil
+	}
+	return nil, fmt.Errorf("redisstore: list: cannot list the keys of Redis through a %T, only through a *redis.Client or *redis.ClusterClient", s.client)
+}
+
+// matching returns, in their order, the keys among keys (as SCAN returned
+// them) of the records that match p. It reads them without their responses
+// and checkpoints, in one pipeline, skipping at once the keys that are not
+// this store's records or whose scope or key does not match.
+func (s *Store) matching(ctx context.Context, p store.ListParams, keys []string) ([]string, error) {
+	var cands []string
+	for _, rec := range keys {
+		if scope, key, ok := s.recordRef(rec); ok && strings.HasPrefix(scope, p.ScopePrefix) && strings.HasPrefix(key, p.KeyPrefix) {
+			cands = append(cands, rec)
+		}
+	}
+	if len(cands) == 0 {
+		return nil, nil
+	}
+	pipe := s.client.Pipeline()
+	cmds := make([]*redis.SliceCmd, len(cands))
+	for i, rec := range cands {
+		cmds[i] = pipe.HMGet(ctx, rec, summaryFields...)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, translate("list", err)
+	}
+	var out []string
+	for i, cmd := range cmds {
+		fields, err := fieldValues(summaryFields, cmd.Val())
+		if err != nil {
+			return nil, fmt.Errorf("redisstore: list: record %q: %w", cands[i], err)
+		}
+		if len(fields) == 0 {
+			continue // vanished
+		}
+		r, err := decode(fields)
+		if err != nil {
+			return nil, fmt.Errorf("redisstore: list: record %q: %w", cands[i], err)
+		}
+		if p.Match(r) {
+			out = append(out, cands[i])
+		}
+	}
+	return out, nil
+}
+
+// encodeListCursor makes a listing's cursor: the node's address, its SCAN
+// cursor (empty when done), and the scope and key of each carried record,
+// one after the other, separated by newlines (they are printable ASCII).
+func (s *Store) encodeListCursor(c listCursor) string {
+	scan := ""
+	if !c.done {
+		scan = strconv.FormatUint(c.scan, 10)
+	}
+	refs := make([]string, 0, 2*len(c.carry))
+	for _, rec := range c.carry {
+		scope, key, _ := s.recordRef(rec)
+		refs = append(refs, scope, key)
+	}
+	return store.EncodeCursor(s.owner()+":list", c.addr, scan, strings.Join(refs, "\n"))
+}
+
+func (s *Store) decodeListCursor(cursor string) (listCursor, error) {
+	if cursor == "" {
+		return listCursor{}, nil
+	}
+	f, err := store.DecodeCursor(cursor, s.owner()+":list", 3)
+	if err != nil {
+		return listCursor{}, fmt.Errorf("redisstore: list: %w", err)
+	}
+	bad := fmt.Errorf("redisstore: list: %w: cursor %q is malformed", store.ErrInvalid, cursor)
+	c := listCursor{addr: f[0], done: f[1] == ""}
+	if !c.done {
+		if c.scan, err = strconv.ParseUint(f[1], 10, 64); err != nil {
+			return listCursor{}, bad
+		}
+	}
+	if f[2] == "" {
+		return c, nil
+	}
+	refs := strings.Split(f[2], "\n")
+	if len(refs)%2 != 0 {
+		return listCursor{}, bad
+	}
+	for j := 0; j < len(refs); j += 2 {
+		if store.ValidateScope(refs[j]) != nil || store.ValidateKey(refs[j+1]) != nil {
+			return listCursor{}, bad
+		}
+		rec, _ := s.keys(refs[j], refs[j+1])
+		c.carry = append(c.carry, rec)
+	}
+	return c, nil
+}
+
 // Prune implements [store.Store]. Redis deletes settled records itself when
 // their TTL (the retention) runs out, so Prune only validates p and reports 0.
 func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
@@ -652,20 +923,21 @@ func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	return 0, nil
 }
 
-// fieldValues turns the values acquireScript returns into a map like
-// HGETALL's, leaving out the fields the record does not have.
-func fieldValues(v []any) (map[string]string, error) {
-	if len(v) != len(recordFields) {
-		return nil, fmt.Errorf("script returned %d values, want %d", len(v), len(recordFields))
+// fieldValues turns the values of the fields names (as acquireScript or
+// HMGET return them) into a map like HGETALL's, leaving out the fields the
+// record does not have.
+func fieldValues(names []string, v []any) (map[string]string, error) {
+	if len(v) != len(names) {
+		return nil, fmt.Errorf("%d values returned, want %d", len(v), len(names))
 	}
 	m := make(map[string]string, len(v))
 	for i, x := range v {
 		switch x := x.(type) {
 		case nil:
 		case string:
-			m[recordFields[i]] = x
+			m[names[i]] = x
 		default:
-			return nil, fmt.Errorf("script returned a %T for field %s", x, recordFields[i])
+			return nil, fmt.Errorf("a %T returned for field %s", x, names[i])
 		}
 	}
 	return m, nil

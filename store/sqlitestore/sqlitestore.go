@@ -296,37 +296,70 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	if err := p.Validate(); err != nil {
 		return store.ScanResult{}, err
 	}
+	return s.page(ctx, "scan", p.Cursor, p.PageSize(),
+		`state IN ('in_progress', 'unknown') AND (state = 'unknown' OR lease_expires <= ?)`, p.Now.UnixNano())
+}
+
+// List implements [store.Store]: the matching records in the order of
+// their scope and key.
+func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	if err := p.Validate(); err != nil {
+		return store.ScanResult{}, err
+	}
+	where, args := []string{"(expires IS NULL OR expires > ?)"}, []any{p.Now.UnixNano()}
+	if len(p.States) > 0 {
+		where = append(where, "state IN (?"+strings.Repeat(", ?", len(p.States)-1)+")")
+		for _, st := range p.States {
+			args = append(args, string(st))
+		}
+	}
+	if p.ScopePrefix != "" {
+		where, args = append(where, "substr(scope, 1, ?) = ?"), append(args, len(p.ScopePrefix), p.ScopePrefix)
+	}
+	if p.KeyPrefix != "" {
+		where, args = append(where, "substr(key, 1, ?) = ?"), append(args, len(p.KeyPrefix), p.KeyPrefix)
+	}
+	if !p.CreatedFrom.IsZero() {
+		where, args = append(where, "created >= ?"), append(args, p.CreatedFrom.UnixNano())
+	}
+	if !p.CreatedBefore.IsZero() {
+		where, args = append(where, "created < ?"), append(args, p.CreatedBefore.UnixNano())
+	}
+	return s.page(ctx, "list", p.Cursor, p.PageSize(), strings.Join(where, " AND "), args...)
+}
+
+// page returns up to size records that satisfy where, after the cursor's,
+// in the order of their scope and key.
+func (s *Store) page(ctx context.Context, op, cursor string, size int, where string, args ...any) (store.ScanResult, error) {
 	scope, key := "", ""
-	if p.Cursor != "" {
-		f, err := store.DecodeCursor(p.Cursor, s.owner, 2)
+	if cursor != "" {
+		f, err := store.DecodeCursor(cursor, s.owner, 2)
 		if err != nil {
 			return store.ScanResult{}, err
 		}
 		scope, key = f[0], f[1]
 	}
-	now := p.Now.UnixNano()
 	rows, err := s.db.QueryContext(ctx, `SELECT `+columns+` FROM idem_records
-		WHERE state IN ('in_progress', 'unknown') AND (state = 'unknown' OR lease_expires <= ?)
-		AND (scope > ? OR (scope = ? AND key > ?))
-		ORDER BY scope, key LIMIT ?`, now, scope, scope, key, p.PageSize()+1)
+		WHERE `+where+` AND (scope > ? OR (scope = ? AND key > ?))
+		ORDER BY scope, key LIMIT ?`, append(args, scope, scope, key, size+1)...)
 	if err != nil {
-		return store.ScanResult{}, translate("scan", err)
+		return store.ScanResult{}, translate(op, err)
 	}
 	defer rows.Close()
 	var res store.ScanResult
 	for rows.Next() {
 		r, err := scanRecord(rows)
 		if err != nil {
-			return store.ScanResult{}, translate("scan", err)
+			return store.ScanResult{}, translate(op, err)
 		}
-		if len(res.Records) == p.PageSize() {
+		if len(res.Records) == size {
 			last := res.Records[len(res.Records)-1]
 			res.Cursor = store.EncodeCursor(s.owner, last.Scope, last.Key)
 			break
 		}
 		res.Records = append(res.Records, *r)
 	}
-	return res, translate("scan", rows.Err())
+	return res, translate(op, rows.Err())
 }
 
 // Prune implements [store.Store].

@@ -16,8 +16,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -67,6 +69,8 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"DurabilityReported", testDurabilityReported},
 		{"ScanCursorsAreOwn", testScanCursorsAreOwn},
 		{"ScanWhileSettling", testScanWhileSettling},
+		{"ListFiltersRecords", testListFiltersRecords},
+		{"ListCursorsAreOwn", testListCursorsAreOwn},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -1155,5 +1159,116 @@ func testScanWhileSettling(t *testing.T, h *harness) {
 	}
 	if left != n-settled {
 		t.Fatalf("a fresh scan found %d records; want the %d left unsettled", left, n-settled)
+	}
+}
+
+// testListFiltersRecords: List returns every live record that matches its
+// filter, whatever its state, over pages of at most Limit, and no other.
+func testListFiltersRecords(t *testing.T, h *harness) {
+	fp := testkit.Fingerprint("x")
+	t0 := h.clock.Now()
+	h.complete(t, h.mustExecute(t, "tenant-a", "order-1", fp), okResponse("1"))
+	if err := h.eng.Release(ctx, h.mustExecute(t, "tenant-a", "order-2", fp)); err != nil {
+		t.Fatal(err)
+	}
+	h.mustExecute(t, "tenant-a", "refund-1", fp) // left in progress
+	gone := testkit.Acquire(t, h.store, "tenant-a", "order-gone", t0, lease)
+	testkit.Finish(t, h.store, gone, t0, idem.StateCompleted, time.Minute) // expired by the listing
+	h.clock.Advance(10 * time.Minute)
+	t1 := h.clock.Now()
+	if err := h.eng.MarkUnknown(ctx, h.mustExecute(t, "tenant-b", "order-1", fp)); err != nil {
+		t.Fatal(err)
+	}
+	h.complete(t, h.mustExecute(t, "tenant-b", "order-3", fp), okResponse("3"))
+	h.complete(t, h.mustExecute(t, "tenant-ab", "order-4", fp), okResponse("4"))
+	h.clock.Advance(time.Second)
+
+	states := map[string]idem.State{
+		"tenant-a/order-1": idem.StateCompleted, "tenant-a/order-2": idem.StateFailed, "tenant-a/refund-1": idem.StateInProgress,
+		"tenant-b/order-1": idem.StateUnknown, "tenant-b/order-3": idem.StateCompleted, "tenant-ab/order-4": idem.StateCompleted,
+	}
+	for _, c := range []struct {
+		name string
+		p    idem.ListParams
+		want []string
+	}{
+		{"everything live", idem.ListParams{}, slices.Collect(maps.Keys(states))},
+		{"completed", idem.ListParams{States: []idem.State{idem.StateCompleted}}, []string{"tenant-a/order-1", "tenant-b/order-3", "tenant-ab/order-4"}},
+		{"settled, scope prefix", idem.ListParams{States: []idem.State{idem.StateCompleted, idem.StateFailed}, ScopePrefix: "tenant-a"},
+			[]string{"tenant-a/order-1", "tenant-a/order-2", "tenant-ab/order-4"}},
+		{"key prefix", idem.ListParams{KeyPrefix: "order-"}, []string{"tenant-a/order-1", "tenant-a/order-2", "tenant-b/order-1", "tenant-b/order-3", "tenant-ab/order-4"}},
+		{"created from", idem.ListParams{CreatedFrom: t1}, []string{"tenant-b/order-1", "tenant-b/order-3", "tenant-ab/order-4"}},
+		{"created before", idem.ListParams{CreatedBefore: t1}, []string{"tenant-a/order-1", "tenant-a/order-2", "tenant-a/refund-1"}},
+		{"unknown, key and scope", idem.ListParams{States: []idem.State{idem.StateUnknown}, ScopePrefix: "tenant-b", KeyPrefix: "order-1"}, []string{"tenant-b/order-1"}},
+		{"in progress", idem.ListParams{States: []idem.State{idem.StateInProgress}}, []string{"tenant-a/refund-1"}},
+		{"none", idem.ListParams{KeyPrefix: "nothing"}, nil},
+	} {
+		seen := map[string]bool{}
+		p := c.p
+		p.Limit = 2
+		for pages := 0; ; pages++ {
+			if pages > 20 {
+				t.Fatalf("%s: the listing does not end", c.name)
+			}
+			res, err := h.eng.List(ctx, p)
+			if err != nil {
+				t.Fatalf("%s: List: %v", c.name, err)
+			}
+			if len(res.Records) > 2 {
+				t.Fatalf("%s: a page of %d records with limit 2", c.name, len(res.Records))
+			}
+			for _, r := range res.Records {
+				id := r.Scope + "/" + r.Key
+				if want, ok := states[id]; !ok || r.State != want {
+					t.Fatalf("%s: listed %s in state %s; want %s", c.name, id, r.State, want)
+				}
+				seen[id] = true
+			}
+			if p.Cursor = res.Cursor; p.Cursor == "" {
+				break
+			}
+		}
+		got := slices.Sorted(maps.Keys(seen))
+		want := slices.Sorted(slices.Values(c.want))
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: listed %v; want %v", c.name, got, want)
+		}
+	}
+	res, err := h.eng.List(ctx, idem.ListParams{})
+	if err != nil || len(res.Records) != len(states) || res.Cursor != "" {
+		t.Fatalf("List with the default limit: %d records, cursor %q, %v; want all %d in one page", len(res.Records), res.Cursor, err, len(states))
+	}
+}
+
+// testListCursorsAreOwn: a listing's cursor continues it, and a cursor of
+// another store or a malformed one is refused, as are malformed params.
+func testListCursorsAreOwn(t *testing.T, h *harness) {
+	for _, k := range []string{"a", "b"} {
+		h.complete(t, h.mustExecute(t, "s", k, testkit.Fingerprint("x")), okResponse(k))
+	}
+	var first idem.ScanResult
+	for p := (idem.ListParams{Now: h.clock.Now(), Limit: 1}); len(first.Records) == 0; {
+		var err error
+		if first, err = h.store.List(ctx, p); err != nil || first.Cursor == "" {
+			t.Fatalf("a page of one of two records = %+v, %v", first, err)
+		}
+		p.Cursor = first.Cursor
+	}
+	other := h.newStore(t)
+	_, err := other.List(ctx, idem.ListParams{Now: h.clock.Now(), Limit: 1, Cursor: first.Cursor})
+	wantErr(t, "another store's cursor", err, idem.ErrInvalid)
+	for _, bad := range []string{"x", "!!", "AQ", store.EncodeCursor("someone else", "s", "a")} {
+		_, err := h.store.List(ctx, idem.ListParams{Now: h.clock.Now(), Cursor: bad})
+		wantErr(t, fmt.Sprintf("cursor %q", bad), err, idem.ErrInvalid)
+	}
+	now := h.clock.Now()
+	for name, p := range map[string]idem.ListParams{
+		"no time":         {},
+		"negative limit":  {Now: now, Limit: -1},
+		"unknown state":   {Now: now, States: []idem.State{"done"}},
+		"empty time span": {Now: now, CreatedFrom: now, CreatedBefore: now},
+	} {
+		_, err := h.store.List(ctx, p)
+		wantErr(t, name, err, idem.ErrInvalid)
 	}
 }

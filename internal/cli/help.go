@@ -1,0 +1,303 @@
+package cli
+
+import (
+	"cmp"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/storeopen"
+)
+
+// command is a subcommand as its help presents it.
+type command struct {
+	name     string // "proxy", "keys ls"
+	summary  string // what it does, in a line
+	synopsis string // how to call it
+	examples []string
+}
+
+// storeKinds lists the store DSNs, for flags' help.
+const storeKinds = "sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:"
+
+// commands are every subcommand, in the order `idem help` lists them.
+var commands = []command{
+	{"proxy", "put the idempotency contract in front of any HTTP API", "idem proxy --upstream URL [flags]", []string{
+		"idem proxy --upstream http://127.0.0.1:9000",
+		"idem proxy --upstream http://api:9000 --store postgres://idem@db/payments --admin-listen 127.0.0.1:9090",
+		"idem proxy --config idem.yaml",
+	}},
+	{"demo", "the reference payments service, a simulated card acquirer and a reconciler", "idem demo [flags]", []string{
+		"idem demo",
+		"idem demo --store postgres://postgres@127.0.0.1/test --listen 127.0.0.1:8080",
+	}},
+	{"keys ls", "list records by state, scope, key and creation time", "idem keys ls [flags]", []string{
+		"idem keys ls --state completed --key order- --since 2h",
+		"idem keys ls --state stale",
+		"idem keys ls --scope 9f86d081 --json",
+	}},
+	{"keys show", "print one record as JSON, its stored response included", "idem keys show KEY [--scope SCOPE] [flags]", []string{
+		"idem keys show order-1",
+		"idem keys show order-1 --scope 9f86d081",
+	}},
+	{"keys resolve", "settle a record by hand: it happened (--completed) or it did not (--failed)", "idem keys resolve KEY [--scope SCOPE] (--failed | --completed --status N [--body TEXT]) [flags]", []string{
+		"idem keys resolve order-1 --failed",
+		"idem keys resolve order-1 --scope 9f86d081 --completed --status 201 --body '{\"id\":\"ch_1\"}' --header 'Content-Type: application/json'",
+	}},
+	{"keys purge", "delete settled records whose retention ran out before a time", "idem keys purge --before TIME [flags]", []string{
+		"idem keys purge --before 72h",
+		"idem keys purge --before 2026-11-01T00:00:00Z",
+	}},
+	{"reconcile", "settle stale records by asking a resolver URL what happened", "idem reconcile --resolver-url URL [flags]", []string{
+		"idem reconcile --store sqlite:idem.db --resolver-url http://127.0.0.1:9000/idem/resolve",
+		"idem reconcile --resolver-url http://api/idem/resolve --once",
+	}},
+	{"verify", "check, from the outside, that an API honours the idempotency contract", "idem verify --url URL [flags]", []string{
+		"idem verify --url http://127.0.0.1:8081/orders",
+		"idem verify --url http://127.0.0.1:8080/v1/charges --body '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}' --require-key --credential 'Bearer sk_a' --credential 'Bearer sk_b'",
+	}},
+	{"echo", "a toy API that numbers each request it runs, to try idem on", "idem echo [flags]", []string{
+		"idem echo --listen 127.0.0.1:9000 --delay 3s",
+	}},
+	{"version", "print idem's version", "idem version", nil},
+}
+
+func commandNamed(name string) command {
+	for _, c := range commands {
+		if c.name == name {
+			return c
+		}
+	}
+	return command{name: name, synopsis: "idem " + name}
+}
+
+// newFlags returns a command's flag set; parseFlags reports its errors.
+func newFlags(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet("idem "+name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	return fs
+}
+
+// errReported is a command-line error already told to the user: the exit
+// status is 2.
+var errReported = errors.New("reported")
+
+// parseFlags parses a command's flags, which may come before or after its
+// arguments, and returns the arguments. On --help it prints the command's
+// help to stdout and returns flag.ErrHelp; on a wrong flag it says what is
+// wrong to stderr and returns errReported.
+func parseFlags(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) ([]string, error) {
+	var pos []string
+	for {
+		err := fs.Parse(args)
+		switch {
+		case errors.Is(err, flag.ErrHelp):
+			printHelp(stdout, commandNamed(strings.TrimPrefix(fs.Name(), "idem ")), fs)
+			return nil, flag.ErrHelp
+		case err != nil:
+			usageError(stderr, fs.Name(), flagError(fs, err))
+			return nil, errReported
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}
+
+// parseFlagsOnly is parseFlags for a command that takes no arguments.
+func parseFlagsOnly(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) error {
+	pos, err := parseFlags(fs, args, stdout, stderr)
+	if err == nil && len(pos) > 0 {
+		usageError(stderr, fs.Name(), fmt.Sprintf("unexpected argument %q: this command takes only flags", pos[0]))
+		return errReported
+	}
+	return err
+}
+
+// usageError tells the user what is wrong with the command line and where to
+// read how it goes.
+func usageError(stderr io.Writer, name, msg string) {
+	fmt.Fprintf(stderr, "%s: %s\nRun '%s --help' for its flags and examples.\n", name, msg, name)
+}
+
+// exitStatus is the exit status of a command that stopped at its command
+// line: 0 after its help, 2 after a usage error.
+func exitStatus(err error) int {
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	return 2
+}
+
+// message is err's text for a person: without the "idem: invalid input: "
+// or "idem: " that the library's errors start with.
+func message(err error) string {
+	msg := strings.TrimPrefix(err.Error(), idem.ErrInvalid.Error()+": ")
+	return strings.TrimPrefix(msg, "idem: ")
+}
+
+// fail tells the user that command name failed with err, and returns the
+// exit status.
+func fail(stderr io.Writer, name string, err error) int {
+	fmt.Fprintf(stderr, "%s: %s\n", name, message(err))
+	return errorStatus(err)
+}
+
+// errorStatus is the exit status of a command that failed with err: 2 when what it
+// was given is invalid (a DSN that does not parse, say), 1 otherwise.
+func errorStatus(err error) int {
+	if errors.Is(err, idem.ErrInvalid) {
+		return 2
+	}
+	return 1
+}
+
+// flagError rewords the flag package's errors the way idem spells flags.
+func flagError(fs *flag.FlagSet, err error) string {
+	msg := err.Error()
+	if name, ok := strings.CutPrefix(msg, "flag provided but not defined: -"); ok {
+		return "unknown flag --" + strings.TrimPrefix(name, "-")
+	}
+	if name, ok := strings.CutPrefix(msg, "flag needs an argument: -"); ok {
+		return "--" + strings.TrimPrefix(name, "-") + " needs a value"
+	}
+	var value, name string
+	if _, err := fmt.Sscanf(strings.Replace(msg, "invalid boolean value", "invalid value", 1), "invalid value %q for flag -%s", &value, &name); err == nil {
+		name = strings.TrimSuffix(name, ":")
+		want := msg[strings.LastIndex(msg, ": ")+2:]
+		if g, ok := fs.Lookup(name).Value.(flag.Getter); ok {
+			switch g.Get().(type) {
+			case time.Duration:
+				want = "want a duration such as 30s or 5m"
+			case int, int64, uint, uint64:
+				want = "want a whole number"
+			case bool:
+				want = "want true or false"
+			}
+		}
+		return fmt.Sprintf("--%s %q: %s", name, value, want)
+	}
+	return msg
+}
+
+// printHelp prints a command's help in the one style every command shares.
+func printHelp(w io.Writer, c command, fs *flag.FlagSet) {
+	fmt.Fprintf(w, "idem %s: %s.\n\nUsage:\n  %s\n", c.name, c.summary, c.synopsis)
+	if len(c.examples) > 0 {
+		fmt.Fprint(w, "\nExamples:\n")
+		for _, e := range c.examples {
+			fmt.Fprintf(w, "  %s\n", e)
+		}
+	}
+	if fs == nil {
+		return
+	}
+	type line struct{ name, usage string }
+	var lines []line
+	width := 0
+	fs.VisitAll(func(f *flag.Flag) {
+		placeholder, usage := flag.UnquoteUsage(f)
+		if p, ok := f.Value.(interface{ placeholder() string }); ok && usage == f.Usage {
+			placeholder = p.placeholder() // no `NAME` in the usage
+		}
+		if placeholder == "int" {
+			placeholder = "n"
+		}
+		name := "--" + f.Name
+		if placeholder != "" && !isBool(f) {
+			name += " " + strings.ToUpper(placeholder)
+		}
+		d := f.DefValue
+		if g, ok := f.Value.(flag.Getter); ok {
+			if v, ok := g.Get().(time.Duration); ok {
+				d = formatDuration(v)
+			}
+		}
+		if d != "" && d != "false" && d != "0" && d != "0s" && d != "[]" && !strings.Contains(usage, "(default") {
+			env := ""
+			if i := strings.LastIndex(usage, " [$"); i >= 0 {
+				usage, env = usage[:i], usage[i:]
+			}
+			usage += " (default " + d + ")" + env
+		}
+		lines = append(lines, line{name, usage})
+		width = max(width, len(name))
+	})
+	if len(lines) > 0 {
+		fmt.Fprint(w, "\nFlags:\n")
+		for _, l := range lines {
+			fmt.Fprintf(w, "  %-*s  %s\n", width, l.name, l.usage)
+		}
+	}
+}
+
+func isBool(f *flag.Flag) bool {
+	b, ok := f.Value.(interface{ IsBoolFlag() bool })
+	return ok && b.IsBoolFlag()
+}
+
+// printUsage prints idem's own help: every command in a line.
+func printUsage(w io.Writer) {
+	fmt.Fprint(w, "idem makes side effects behind HTTP APIs happen exactly once.\n\nUsage:\n  idem COMMAND [flags]\n\nCommands:\n")
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-13s %s\n", c.name, c.summary)
+	}
+	fmt.Fprint(w, "\nRun 'idem help COMMAND' (or 'idem COMMAND --help') for a command's flags and examples.\n")
+}
+
+// version is idem's version as the build recorded it: the module's version,
+// or the commit it was built from.
+func version() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "unknown"
+	}
+	v := info.Main.Version
+	rev, dirty := "", false
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
+	}
+	if (v == "" || v == "(devel)") && rev != "" {
+		v = "devel " + rev[:min(12, len(rev))]
+		if dirty {
+			v += " (modified)"
+		}
+	}
+	if v == "" {
+		v = "(devel)"
+	}
+	return v + " " + info.GoVersion
+}
+
+// storeFlag is the --store flag of the commands that open a store.
+func storeFlag(fs *flag.FlagSet, env Env) *string {
+	return fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "the store, a `DSN`: "+storeKinds+" [$IDEM_STORE]")
+}
+
+// logFlag is the --log-format flag of the commands that log; the logger is
+// made once the flags are parsed.
+func logFlag(fs *flag.FlagSet, env Env, stderr io.Writer) func() (*slog.Logger, error) {
+	format := fs.String("log-format", cmp.Or(env("IDEM_LOG_FORMAT"), "text"), "`format` of log lines: text or json [$IDEM_LOG_FORMAT]")
+	return func() (*slog.Logger, error) {
+		log, err := proxy.Config{LogFormat: *format}.Logger(stderr)
+		if err == nil {
+			storeopen.SetLogger(log)
+		}
+		return log, err
+	}
+}
