@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"net/http"
-	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -17,23 +16,20 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 // envURL names the variable that points the tests at a DynamoDB endpoint.
 const envURL = "IDEM_TEST_DYNAMODB_URL"
 
-const skipMessage = "set IDEM_TEST_DYNAMODB_URL=http://… (store/dynamostore/testdata/start-dynalite.sh starts a local server) to run the DynamoDB tests"
+func TestMain(m *testing.M) { testkit.Main(m) }
 
 var ctx = context.Background()
 
 // endpoint returns the test server's URL, or skips the test.
 func endpoint(tb testing.TB) string {
 	tb.Helper()
-	url := os.Getenv(envURL)
-	if url == "" {
-		tb.Skip(skipMessage)
-	}
-	return url
+	return testkit.Server(tb, envURL)
 }
 
 // counter is an HTTP client that counts the requests it sends: each is one

@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"net"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,18 +15,15 @@ import (
 	"time"
 
 	"github.com/bradfitz/gomemcache/memcache"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
-const skipMessage = "set IDEM_TEST_MEMCACHED_ADDR=127.0.0.1:11211 (memcached -d -l 127.0.0.1 -p 11211 -u root starts one) to run the Memcached tests"
+func TestMain(m *testing.M) { testkit.Main(m) }
 
 // testAddr returns IDEM_TEST_MEMCACHED_ADDR, or skips.
 func testAddr(tb testing.TB) string {
 	tb.Helper()
-	addr := os.Getenv("IDEM_TEST_MEMCACHED_ADDR")
-	if addr == "" {
-		tb.Skip(skipMessage)
-	}
-	return addr
+	return testkit.Server(tb, "IDEM_TEST_MEMCACHED_ADDR")
 }
 
 var shared struct {

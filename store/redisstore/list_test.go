@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -15,19 +14,6 @@ import (
 	"github.com/idemhq/idem/store"
 	"github.com/redis/go-redis/v9"
 )
-
-// testClusterClient returns a client of the Redis Cluster that
-// IDEM_TEST_REDIS_CLUSTER_ADDRS lists, or skips.
-func testClusterClient(t *testing.T) *redis.ClusterClient {
-	t.Helper()
-	addrs := os.Getenv("IDEM_TEST_REDIS_CLUSTER_ADDRS")
-	if addrs == "" {
-		t.Skip("set IDEM_TEST_REDIS_CLUSTER_ADDRS=host:port,… to run the Redis Cluster tests")
-	}
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ",")})
-	t.Cleanup(func() { client.Close() })
-	return client
-}
 
 // listAll lists with p, a page after another, and returns the keys of the
 // records listed and how many pages carried records to the next. It fails

@@ -212,19 +212,14 @@ func TestNotifierResubscribes(t *testing.T) {
 // IDEM_TEST_REDIS_CLUSTER_ADDRS lists the nodes (testdata/start-cluster.sh
 // starts a cluster).
 func TestNotifierCluster(t *testing.T) {
-	addrs := os.Getenv("IDEM_TEST_REDIS_CLUSTER_ADDRS")
-	if addrs == "" {
-		t.Skip("set IDEM_TEST_REDIS_CLUSTER_ADDRS=host:port,… to run the Redis Cluster tests")
-	}
-	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ",")})
-	t.Cleanup(func() { cluster.Close() })
+	cluster := testClusterClient(t)
 	channel := newChannel(t)
 	b := newNotifier(t, cluster, channel)
 	ch, cancel := b.Subscribe("s", "k")
 	defer cancel()
 	testkit.MustNotify(t, newNotifier(t, cluster, channel), "s", "k")
 	testkit.Woken(t, ch, "the subscriber, notified through the cluster client,")
-	for _, addr := range strings.Split(addrs, ",") {
+	for _, addr := range cluster.Options().Addrs {
 		node := redis.NewClient(&redis.Options{Addr: addr})
 		t.Cleanup(func() { node.Close() })
 		testkit.MustNotify(t, newNotifier(t, node, channel), "s", "k")

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"reflect"
 	"strconv"
 	"strings"
@@ -23,16 +22,23 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-const skipMessage = "set IDEM_TEST_REDIS_URL=redis://… to run the Redis tests"
+func TestMain(m *testing.M) { testkit.Main(m) }
+
+// testClusterClient returns a client of the Redis Cluster that
+// IDEM_TEST_REDIS_CLUSTER_ADDRS lists (testdata/start-cluster.sh starts
+// one), or skips.
+func testClusterClient(tb testing.TB) *redis.ClusterClient {
+	tb.Helper()
+	addrs := testkit.Server(tb, "IDEM_TEST_REDIS_CLUSTER_ADDRS")
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ","), PoolSize: 64})
+	tb.Cleanup(func() { client.Close() })
+	return client
+}
 
 // testOptions returns the client options of IDEM_TEST_REDIS_URL, or skips.
 func testOptions(tb testing.TB) *redis.Options {
 	tb.Helper()
-	url := os.Getenv("IDEM_TEST_REDIS_URL")
-	if url == "" {
-		tb.Skip(skipMessage)
-	}
-	opt, err := redis.ParseURL(url)
+	opt, err := redis.ParseURL(testkit.Server(tb, "IDEM_TEST_REDIS_URL"))
 	if err != nil {
 		tb.Fatalf("IDEM_TEST_REDIS_URL: %v", err)
 	}
@@ -129,12 +135,7 @@ func TestConformanceOneShard(t *testing.T) {
 // IDEM_TEST_REDIS_CLUSTER_ADDRS lists its nodes (testdata/start-cluster.sh
 // starts one).
 func TestConformanceCluster(t *testing.T) {
-	addrs := os.Getenv("IDEM_TEST_REDIS_CLUSTER_ADDRS")
-	if addrs == "" {
-		t.Skip("set IDEM_TEST_REDIS_CLUSTER_ADDRS=host:port,… to run the Redis Cluster tests")
-	}
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ","), PoolSize: 64})
-	t.Cleanup(func() { client.Close() })
+	client := testClusterClient(t)
 	storetest.Run(t, func(t *testing.T) idem.Store { return newTestStore(t, client, 0) })
 }
 
