@@ -176,8 +176,8 @@ func closeEngine(eng *idem.Engine, within time.Duration, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
 	if err := eng.Close(ctx); err != nil {
-		log.Error("shutting down with outcomes the store has not taken", "err", err)
+		log.Error("stopped before the store took every outcome: they wait in the journal directory for the next start (without one, they are lost)", "err", err)
 		return
 	}
-	log.Info("shut down")
+	log.Info("stopped: every outcome is stored")
 }

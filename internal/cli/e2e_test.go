@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -34,6 +35,7 @@ type proxyProc struct {
 	cmd        *exec.Cmd
 	url, admin string // admin is empty without --admin-listen
 	logs       *logLines
+	logsDone   chan struct{} // closed once the process's stderr is read to its end
 }
 
 // logLines collects a process's log lines for a test to look at.
@@ -73,9 +75,10 @@ func runProxy(t *testing.T, args ...string) *proxyProc {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	p := &proxyProc{cmd: cmd, logs: &logLines{}}
+	p := &proxyProc{cmd: cmd, logs: &logLines{}, logsDone: make(chan struct{})}
 	addr := make(chan []string, 1)
 	go func() {
+		defer close(p.logsDone)
 		defer close(addr)
 		lines := bufio.NewScanner(stderr)
 		for lines.Scan() {
@@ -304,4 +307,33 @@ func TestVerifyPassesAgainstTheDemo(t *testing.T) {
 		"--store", "sqlite:"+filepath.Join(t.TempDir(), "demo.db"))
 	verifyOK(t, "--url", url+"/v1/charges", "--body", `{"amount":100,"currency":"eur","customer":"cus_1"}`,
 		"--changed-body", `{"amount":101,"currency":"eur","customer":"cus_1"}`, "--require-key", "--credential", "Bearer sk_a", "--credential", "Bearer sk_b")
+}
+
+// TestProxyStartsAndStopsSaying: the start-up line names the store (and no
+// admin address when there is none), and SIGTERM ends with a line saying
+// that every outcome is stored, and exit status 0.
+func TestProxyStartsAndStopsSaying(t *testing.T) {
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))
+	defer upstream.Close()
+	p := runProxy(t, "--upstream", upstream.URL, "--store", "memory:")
+	if !p.logs.has("store=memory") || p.logs.has("admin=") {
+		t.Fatalf("start-up lines: %q", p.logs.lines)
+	}
+	if code, _, err := post(p.url+"/pay", "k"); err != nil || code != 201 {
+		t.Fatalf("a request: %d %v", code, err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select { // stderr ends when the process does; Wait only after reading it all
+	case <-p.logsDone:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("idem proxy did not exit within 30s of SIGTERM: %q", p.logs.lines)
+	}
+	if err := p.cmd.Wait(); err != nil {
+		t.Fatalf("exit after SIGTERM: %v (logs %q)", err, p.logs.lines)
+	}
+	if !p.logs.has("stopped: every outcome is stored") {
+		t.Fatalf("no word that it stopped: %q", p.logs.lines)
+	}
 }

@@ -371,3 +371,92 @@ func TestGracefulShutdown(t *testing.T) {
 		t.Fatalf("record after shutdown: %+v, %v", rec, err)
 	}
 }
+
+// syncBuffer is a log destination safe for the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) lines() []map[string]any {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []map[string]any
+	for _, l := range strings.Split(strings.TrimSpace(s.b.String()), "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(l), &m) == nil {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// TestLogsNameTheRequest: with access_log, every request gets a line saying
+// what idem did with it and its key hash; a failed upstream's warning names
+// the method, path and key hash, so an operator can find the record.
+func TestLogsNameTheRequest(t *testing.T) {
+	var logs syncBuffer
+	log := slog.New(slog.NewJSONHandler(&logs, nil))
+	eng := sqliteEngine(t)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/broken" {
+			panic(http.ErrAbortHandler) // the connection drops after the request arrived
+		}
+		w.WriteHeader(201)
+	}))
+	t.Cleanup(up.Close)
+	h, err := proxy.Handler(proxy.Config{Upstream: up.URL, AccessLog: true, Defaults: proxy.DefaultConfig().Defaults}, eng, log, proxy.Hooks{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	post := func(path, key string) {
+		req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set("Authorization", "Bearer sk_a")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	post("/pay", "k1")
+	post("/pay", "k1")
+	post("/broken", "k2")
+	scope := httpidem.HashScope("Authorization")(&http.Request{Header: http.Header{"Authorization": {"Bearer sk_a"}}})
+	k1, k2 := idem.KeyHash(scope, "k1"), idem.KeyHash(scope, "k2")
+
+	var access []map[string]any
+	var warned map[string]any
+	for _, l := range logs.lines() {
+		switch l["msg"] {
+		case "request":
+			access = append(access, l)
+		case "upstream took the request but gave no response: outcome unknown until reconciled":
+			warned = l
+		}
+	}
+	want := []struct {
+		path, idem, keyHash string
+		status              float64
+	}{{"/pay", "executed", k1, 201}, {"/pay", "replayed", k1, 201}, {"/broken", "executed", k2, 502}}
+	if len(access) != len(want) {
+		t.Fatalf("access log: %v; want %d lines", access, len(want))
+	}
+	for i, w := range want {
+		a := access[i]
+		if a["method"] != "POST" || a["path"] != w.path || a["idem"] != w.idem || a["key_hash"] != w.keyHash || a["status"] != w.status {
+			t.Errorf("access line %d = %v; want %+v", i, a, w)
+		}
+	}
+	if warned == nil || warned["method"] != "POST" || warned["path"] != "/broken" || warned["key_hash"] != k2 {
+		t.Fatalf("the upstream warning = %v; want it to name POST /broken and key hash %s", warned, k2)
+	}
+}
