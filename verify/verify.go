@@ -37,9 +37,16 @@ import (
 	"github.com/idemhq/idem/idemclient"
 )
 
-// ErrUnreachable is the error of [Run] when the endpoint gives no answer
-// at all (refused connections, DNS, timeouts): no check can run.
-var ErrUnreachable = errors.New("the endpoint cannot be reached")
+// The errors of [Run] when the first request shows that no check can run;
+// the report holds that first check.
+var (
+	// ErrUnreachable: the endpoint gives no answer at all (refused
+	// connections, DNS, timeouts).
+	ErrUnreachable = errors.New("the endpoint cannot be reached")
+	// ErrRefused: the endpoint answers the first request with a 4xx; give
+	// it a body it accepts and the headers it needs.
+	ErrRefused = errors.New("the endpoint refuses the request")
+)
 
 // DefaultConcurrency is how many duplicates the concurrent check sends.
 const DefaultConcurrency = 10
@@ -123,6 +130,10 @@ func (a answer) String() string {
 	if a.err != nil {
 		return "error: " + a.err.Error()
 	}
+	var p struct{ Title, Detail string }
+	if a.problemJSON() && json.Unmarshal(a.body, &p) == nil && p.Title != "" {
+		return strings.TrimSuffix(fmt.Sprintf("%d %s: %s", a.status, p.Title, p.Detail), ": ")
+	}
 	b := a.body
 	if len(b) > 120 {
 		b = append(b[:117:117], "..."...)
@@ -142,12 +153,11 @@ type runner struct {
 	plain    *http.Client // sees every answer as it is
 	retrying *http.Client // idemclient: rides out 503s and 409 in-progress with the same key
 	mu       sync.Mutex
-	// unreachable is why the first request got no answer at all: the
-	// checks stop there.
-	unreachable error
-	sent        int
-	seen4xx     int      // 4xx answers seen
-	errs4xx     []string // of those, the ones that were not problem+json
+	// stop is why the checks cannot go on after the first request.
+	stop    error
+	sent    int
+	seen4xx int      // 4xx answers seen
+	errs4xx []string // of those, the ones that were not problem+json
 }
 
 // Run runs every check against cfg.URL. An error means the checks could not
@@ -190,8 +200,8 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	rep := Report{URL: cfg.URL}
 	for _, check := range []func(context.Context) Check{r.replay, r.mismatch, r.concurrent, r.missingKey, r.malformed, r.scopes} {
 		rep.Checks = append(rep.Checks, check(ctx))
-		if r.unreachable != nil {
-			return rep, fmt.Errorf("%w: %s: %v", ErrUnreachable, cfg.URL, r.unreachable)
+		if r.stop != nil {
+			return rep, r.stop
 		}
 	}
 	switch {
@@ -298,11 +308,12 @@ func (r *runner) replay(ctx context.Context) Check {
 	first := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
 	switch {
 	case first.err != nil:
-		r.unreachable = first.err
+		r.stop = fmt.Errorf("%w: %s: %v", ErrUnreachable, r.cfg.URL, first.err)
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
 		return c
 	case first.status >= 400 && first.status < 500:
-		c.Result, c.Detail = Fail, fmt.Sprintf("the first request was refused (%s); give a body the endpoint accepts (--body) and the headers it needs (--header)", first)
+		r.stop = fmt.Errorf("%w: %s answered %d", ErrRefused, r.cfg.URL, first.status)
+		c.Result, c.Detail = Fail, fmt.Sprintf("the first request was refused (%s)", first)
 		return c
 	case first.status >= 500:
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)

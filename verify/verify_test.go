@@ -206,3 +206,17 @@ func TestStopsAtAnEndpointThatCannotBeReached(t *testing.T) {
 		t.Fatalf("Run against a closed port = %+v, %v; want one failed check and ErrUnreachable", rep, err)
 	}
 }
+
+// TestStopsAtARefusal: a first request the endpoint refuses (a body it does
+// not accept) ends the run with ErrRefused: the other checks would only
+// see the same refusal.
+func TestStopsAtARefusal(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		(&httpidem.Problem{Type: "about:blank", Title: "Invalid", Status: 400}).Write(w)
+	}))
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL})
+	if !errors.Is(err, verify.ErrRefused) || len(rep.Checks) != 1 || rep.Checks[0].Result != verify.Fail {
+		t.Fatalf("Run against an endpoint that refuses = %+v, %v; want one failed check and ErrRefused", rep, err)
+	}
+}

@@ -77,7 +77,11 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	for i, s := range settings {
 		flags[i] = &flagSetting{s: s}
 		help := settingHelp[strings.TrimPrefix(s.yaml, "defaults.")]
-		if d := s.show(&defaults); d != "" {
+		switch d := s.defaultText(&defaults); d {
+		case "":
+		case "required":
+			help += " (required)"
+		default:
 			help += " (default " + d + ")"
 		}
 		fs.Var(flags[i], s.flag, help+" [$"+s.env+"]")

@@ -79,3 +79,24 @@ func TestUsageErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigReference: docs/config.md is the reference the settings make
+// (go test ./internal/cli -run TestConfigReference -update rewrites it).
+func TestConfigReference(t *testing.T) {
+	path := filepath.Join("..", "..", "docs", "config.md")
+	got := configReference()
+	if *update {
+		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil || string(want) != got {
+		t.Fatalf("%s is not what the settings make (%v): run go test ./internal/cli -run TestConfigReference -update", path, err)
+	}
+	for _, s := range proxySettings() {
+		if !strings.Contains(got, "`--"+s.flag+"`") || !strings.Contains(got, "`"+s.env+"`") {
+			t.Errorf("the reference leaves out %s", s.yaml)
+		}
+	}
+}

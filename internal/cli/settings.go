@@ -34,9 +34,9 @@ type setting struct {
 // A word in backquotes names the flag's value in help (flag.UnquoteUsage).
 var settingHelp = map[string]string{
 	"listen":              "`address` to serve the proxied API on",
-	"upstream":            "`URL` of the API behind the proxy (required)",
+	"upstream":            "`URL` of the API behind the proxy",
 	"store":               "the store, a `DSN`: " + storeKinds,
-	"admin_listen":        "`address` of /healthz, /readyz and /metrics (Prometheus); empty: none",
+	"admin_listen":        "`address` of /healthz, /readyz and /metrics (Prometheus)",
 	"upstream_timeout":    "wait for the upstream's response headers; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
 	"lease":               "lease length, renewed while the upstream works",
@@ -60,10 +60,19 @@ var settingHelp = map[string]string{
 	"exclude_fields":      "leave these JSON `member`s out of the fingerprint, dotted (repeatable)",
 	"max_request_body":    "the largest request body accepted",
 	"max_response_body":   "the largest response body stored for replay (a larger one is answered once, then 409)",
-	"store_headers":       "store and replay only these response `header`s (repeatable); default: all but credentials and hop-by-hop",
+	"store_headers":       "store and replay only these response `header`s (repeatable)",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
 	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503",
+}
+
+// zeroMeans says what a setting left empty means, where that is not
+// nothing, for help.
+var zeroMeans = map[string]string{
+	"upstream":       "required",
+	"admin_listen":   "off",
+	"include_fields": "all",
+	"store_headers":  "all but credentials and hop-by-hop",
 }
 
 // yamlOnly are the YAML names that are not flags: routes have their own
@@ -195,6 +204,14 @@ func formatSize(n int64) string {
 		}
 	}
 	return strconv.FormatInt(n, 10)
+}
+
+// defaultText is what help says of the setting's default in cfg.
+func (s setting) defaultText(cfg *proxy.Config) string {
+	if d := s.show(cfg); d != "" {
+		return d
+	}
+	return zeroMeans[strings.TrimPrefix(s.yaml, "defaults.")]
 }
 
 // show formats the setting's value in cfg for help text, the way it would

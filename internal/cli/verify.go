@@ -47,11 +47,7 @@ func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	cfg.Progress = progress.update
 	rep, err := verify.Run(ctx, cfg)
 	progress.done()
-	switch {
-	case errors.Is(err, verify.ErrUnreachable):
-		fmt.Fprintf(stderr, "idem verify: %v\nIs the API running, and is --url its address?\n", err)
-		return 1
-	case err != nil:
+	if err != nil && len(rep.Checks) == 0 {
 		usageError(stderr, fs.Name(), strings.TrimPrefix(err.Error(), "verify: "))
 		return 2
 	}
@@ -70,6 +66,14 @@ func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			fmt.Fprintf(tw, "%s\t%s\t%s\n", c.Name, c.Result, c.Detail)
 		}
 		tw.Flush()
+	}
+	switch {
+	case errors.Is(err, verify.ErrUnreachable):
+		fmt.Fprintf(stderr, "idem verify: %v\nIs the API running, and is --url its address?\n", err)
+		return 1
+	case errors.Is(err, verify.ErrRefused):
+		fmt.Fprintf(stderr, "idem verify: %v, so the checks stop there.\nGive a body it accepts (--body) and the headers it needs (--header).\n", err)
+		return 1
 	}
 	if !rep.Passed() {
 		return 1

@@ -155,6 +155,7 @@ func DefaultConfig() Config {
 	return Config{
 		Listen:          DefaultListen,
 		Store:           storeopen.Default,
+		LogFormat:       "text",
 		UpstreamTimeout: DefaultUpstreamTimeout,
 		ShutdownTimeout: DefaultShutdownTimeout,
 		Engine: idem.Config{Lease: idem.DefaultLease, Retention: idem.DefaultRetention, Poll: idem.DefaultPoll,
