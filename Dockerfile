@@ -1,0 +1,31 @@
+# idem in a container: one static binary (pure Go, SQLite included) on a
+# distroless base, running as a non-root user.
+#
+#   docker build -t idem .
+#   docker run --rm -p 8080:8080 -p 9090:9090 -v idem-data:/data idem proxy --upstream http://api:9000
+#
+# The image listens on 0.0.0.0:8080 (the API) and 0.0.0.0:9090 (/healthz,
+# /readyz, /metrics), and keeps the SQLite store and the journal in /data:
+# mount a volume there, or give --store postgres://… (see docs/config.md).
+
+FROM golang:1.26-bookworm AS build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/idem ./cmd/idem \
+	&& mkdir -p /out/data
+
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /out/idem /idem
+COPY --from=build --chown=65532:65532 /out/data /data
+ENV IDEM_LISTEN=0.0.0.0:8080 \
+    IDEM_ADMIN_LISTEN=0.0.0.0:9090 \
+    IDEM_STORE=sqlite:/data/idem.db \
+    IDEM_JOURNAL_DIR=/data/journal
+VOLUME /data
+WORKDIR /data
+USER 65532:65532
+EXPOSE 8080 9090
+ENTRYPOINT ["/idem"]
+CMD ["help"]
