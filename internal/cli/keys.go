@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"slices"
@@ -85,6 +86,7 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		usageError(stderr, fs.Name(), fmt.Sprintf("takes %d key, not %d", cmd.keys, len(pos)))
 		return 2
 	}
+	storeopen.SetLogger(slog.New(slog.DiscardHandler)) // a failure ends the command with its error
 	opened, err := storeopen.Open(ctx, *store)
 	if err != nil {
 		return fail(stderr, fs.Name(), err)

@@ -242,7 +242,7 @@ func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
 		return nil, fmt.Errorf("%w: store DSN: %v", idem.ErrInvalid, err)
 	}
 	q := u.Query()
-	var opts []func(*config.LoadOptions) error
+	opts := []func(*config.LoadOptions) error{config.WithLogger(awsLogger())}
 	if r := q.Get("region"); r != "" {
 		opts = append(opts, config.WithRegion(r))
 	}
