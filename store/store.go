@@ -347,11 +347,13 @@ func (p ScanParams) Validate() error {
 }
 
 // PageSize is the page size asked for: Limit, or [DefaultScanLimit].
-func (p ScanParams) PageSize() int {
-	if p.Limit == 0 {
+func (p ScanParams) PageSize() int { return pageSize(p.Limit) }
+
+func pageSize(limit int) int {
+	if limit == 0 {
 		return DefaultScanLimit
 	}
-	return p.Limit
+	return limit
 }
 
 // ScanResult is one page of a scan. Records that change during a scan may be
@@ -408,12 +410,7 @@ func (p ListParams) Validate() error {
 }
 
 // PageSize is the page size asked for: Limit, or [DefaultScanLimit].
-func (p ListParams) PageSize() int {
-	if p.Limit == 0 {
-		return DefaultScanLimit
-	}
-	return p.Limit
-}
+func (p ListParams) PageSize() int { return pageSize(p.Limit) }
 
 // Match reports whether r belongs in the listing.
 func (p ListParams) Match(r Record) bool {
