@@ -76,6 +76,11 @@ type Config struct {
 	// Logger receives a line when an outcome has to wait in the journal and
 	// when it lands or cannot. Defaults to slog.Default().
 	Logger *slog.Logger `yaml:"-"`
+	// CacheSize is how many bytes of completed outcomes the engine keeps in
+	// memory, so that replays are answered without the store (a completed
+	// outcome never changes until it expires). Defaults to
+	// [DefaultCacheSize]; negative: none.
+	CacheSize int64 `yaml:"cache_size"`
 }
 
 // DefaultStoreTimeout is how long the engine gives a store call, retries
@@ -98,6 +103,9 @@ type Engine struct {
 	storeTimeout time.Duration
 	notifier     Notifier
 	local        localNotifier
+	owners       owners // leases this engine's callers hold
+	waits        waits  // Await's callers, by record and payload
+	cache        *cache // completed records
 	journal      *journal
 	log          *slog.Logger
 	down         atomic.Bool // the store has not answered for a whole store timeout
@@ -111,6 +119,12 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{store: cfg.Store, clock: cfg.Clock, lease: cfg.Lease, retention: cfg.Retention,
 		poll: cfg.Poll, storeTimeout: cfg.StoreTimeout, notifier: cfg.Notifier, log: cfg.Logger}
+	switch {
+	case cfg.CacheSize == 0:
+		e.cache = newCache(DefaultCacheSize)
+	case cfg.CacheSize > 0:
+		e.cache = newCache(cfg.CacheSize)
+	}
 	if e.clock == nil {
 		e.clock = systemClock{}
 	}
@@ -283,12 +297,12 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	if err := ctx.Err(); err != nil {
 		return Outcome{}, err // gone before anything started
 	}
+	if out, ok := e.known(p, false); ok {
+		return out, nil
+	}
 	token, err := store.NewToken()
 	if err != nil {
 		return Outcome{}, err
-	}
-	if out, ok := e.journal.replay(p.Scope, p.Key, p.Fingerprint); ok {
-		return out, nil
 	}
 	now := e.clock.Now()
 	ap := store.AcquireParams{
@@ -313,15 +327,44 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	if err != nil {
 		return Outcome{}, err
 	}
+	if rec.Token == token && rec.State == StateInProgress {
+		e.owners.add(rec)
+		return Outcome{Decision: Execute, Record: rec, Lease: Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence,
+			Fingerprint: rec.Fingerprint, Expires: rec.LeaseExpires, Duration: lease, Retention: retention}}, nil
+	}
+	e.cache.put(rec)
+	return decide(rec, p.Fingerprint, now), nil
+}
+
+// known decides from what this engine knows without asking the store: an
+// outcome waiting in its journal or kept in its cache and, when waiting,
+// work that one of its callers runs (Begin asks the store then, which may
+// know that somebody else settled the record meanwhile).
+func (e *Engine) known(p BeginParams, waiting bool) (Outcome, bool) {
+	if out, ok := e.journal.replay(p.Scope, p.Key, p.Fingerprint); ok {
+		return out, true
+	}
+	now := e.clock.Now()
+	if rec, ok := e.cache.get(p.Scope, p.Key, now); ok {
+		return decide(rec, p.Fingerprint, now), true
+	}
+	if !waiting {
+		return Outcome{}, false
+	}
+	if rec, ok := e.owners.get(p.Scope, p.Key, now); ok {
+		return decide(rec, p.Fingerprint, now), true
+	}
+	return Outcome{}, false
+}
+
+// decide is the decision for a request with fingerprint f on a record that
+// somebody else owns or settled.
+func decide(rec Record, f Fingerprint, now time.Time) Outcome {
 	out := Outcome{Record: rec}
 	switch {
-	case rec.Token == token && rec.State == StateInProgress:
-		out.Decision = Execute
-		out.Lease = Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence, Fingerprint: rec.Fingerprint,
-			Expires: rec.LeaseExpires, Duration: lease, Retention: retention}
-	case rec.Fingerprint != p.Fingerprint:
+	case rec.Fingerprint != f:
 		out.Decision = Mismatch
-		out.Diff = p.Fingerprint.Diff(rec.Fingerprint)
+		out.Diff = f.Diff(rec.Fingerprint)
 	case rec.State == StateCompleted:
 		out.Decision = Replay
 	case rec.State == StateUnknown:
@@ -330,7 +373,7 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 		out.Decision = InFlight
 		out.RetryAfter = max(rec.LeaseExpires.Sub(now).Round(time.Second), time.Second)
 	}
-	return out, nil
+	return out
 }
 
 // Renew extends l by its Duration from now and returns the renewed lease.
@@ -343,9 +386,13 @@ func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
 	ctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
 	defer cancel()
 	if err := e.store.Renew(ctx, store.RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
+		if errors.Is(err, ErrLeaseLost) {
+			e.owners.done(l)
+		}
 		return l, err
 	}
 	l.Expires = expires
+	e.owners.renewed(l)
 	return l, nil
 }
 
@@ -422,6 +469,7 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 	p := e.finishParams(l, state, resp)
 	p.Repeat = true // the lease's owner: a repeat of its own write may succeed
 	err := e.retry(ctx, func(ctx context.Context) error { return e.store.Finish(ctx, p) })
+	e.owners.done(l)
 	switch {
 	case err == nil:
 		e.notify(ctx, l.Scope, l.Key)
@@ -495,6 +543,9 @@ func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 		sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
 		err = e.store.Finish(sctx, p)
 		cancel()
+	}
+	if err == nil || errors.Is(err, ErrLeaseLost) {
+		e.owners.done(l) // the caller is done with the lease
 	}
 	if err != nil {
 		return err

@@ -29,26 +29,44 @@ func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
 // [Config.Notifier], settles the record, and otherwise looks again every
 // [Config.Poll] (or sooner, when the running lease ends sooner). When the
 // wait runs out, the last InFlight outcome is returned.
+//
+// Callers in this process that wait for the same record and payload share
+// one wait: while the work runs in this process none of them asks the
+// store, and while it runs in another one asks at a time for them all, so
+// a thousand duplicates cost what one does.
 func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration) (Outcome, error) {
 	deadline := e.clock.Now().Add(within)
 	local, cancelLocal := e.local.Subscribe(p.Scope, p.Key)
 	defer cancelLocal()
+	g := e.waits.join(p)
+	polling := false
+	defer func() {
+		if e.waits.leave(g, polling) {
+			e.local.Notify(ctx, p.Scope, p.Key) // somebody else polls from now on
+		}
+	}()
 	var remote <-chan struct{}
-	if e.notifier != nil {
-		var cancelRemote func()
-		remote, cancelRemote = e.notifier.Subscribe(p.Scope, p.Key)
-		defer cancelRemote()
-	}
 	for {
-		out, err := e.Begin(ctx, p)
-		if err != nil || out.Decision != InFlight {
+		out, err, ok := e.awaitStep(ctx, p, g, &polling)
+		if polling && remote == nil && e.notifier != nil {
+			var cancelRemote func()
+			remote, cancelRemote = e.notifier.Subscribe(p.Scope, p.Key)
+			defer cancelRemote()
+		}
+		if ok && (err != nil || out.Decision != InFlight) {
 			return out, err
 		}
 		left := deadline.Sub(e.clock.Now())
 		if left <= 0 {
+			if !ok { // the poller has not answered yet
+				out = Outcome{Decision: InFlight, RetryAfter: time.Second}
+			}
 			return out, nil
 		}
-		pause := min(left, e.poll, max(out.Record.LeaseExpires.Sub(e.clock.Now()), time.Millisecond))
+		pause := left // a member that does not poll waits for news
+		if polling {
+			pause = min(left, e.poll, max(out.Record.LeaseExpires.Sub(e.clock.Now()), time.Millisecond))
+		}
 		select {
 		case <-ctx.Done():
 			return out, ctx.Err()
@@ -57,6 +75,38 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 		case <-e.clock.After(pause):
 		}
 	}
+}
+
+// Waiting reports how many callers of Await wait for the record under scope
+// and key.
+func (e *Engine) Waiting(scope, key string) int { return e.local.waiters.Len(KeyHash(scope, key)) }
+
+// awaitStep decides once for a member of g: from what this process knows
+// (an outcome in the cache, work running here), or else from the store if
+// the member is, or becomes, the one that polls, or else from the poller's
+// latest answer (ok is false while there is none).
+func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, polling *bool) (out Outcome, err error, ok bool) {
+	if out, ok := e.known(p, true); ok {
+		return out, nil, true
+	}
+	if !*polling {
+		out, err, ok := e.waits.latest(g)
+		if ok && (err != nil || out.Decision != InFlight) {
+			return out, err, true // the poller's final answer
+		}
+		if !e.waits.claim(g) {
+			return out, err, ok
+		}
+	}
+	*polling = true
+	out, err = e.Begin(ctx, p)
+	if err != nil || out.Decision != Execute {
+		e.waits.publish(g, out, err)
+		if err != nil || out.Decision != InFlight {
+			e.local.Notify(ctx, p.Scope, p.Key) // news for the others
+		}
+	}
+	return out, err, true
 }
 
 // notifyTimeout bounds a cross-instance notification.

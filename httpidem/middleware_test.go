@@ -277,7 +277,7 @@ func TestWaitModeReplaysFirstOutcome(t *testing.T) {
 		wait.Recv(t, sig.acquired, 10*time.Second, "the first's acquire")
 		second := make(chan reply)
 		go func() { second <- send(t, srv, "POST", "/pay", "k", "x") }()
-		wait.Recv(t, sig.acquired, 10*time.Second, "the second's acquire, which finds the first in flight")
+		wait.Until(t, 10*time.Second, "the second to wait for the first", func() bool { return eng.Waiting("", "k") == 1 })
 		close(g.release)
 		f := wait.Recv(t, first, 10*time.Second, "the first's answer")
 		s := wait.Recv(t, second, 10*time.Second, "the waiting duplicate's answer")

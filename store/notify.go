@@ -70,6 +70,13 @@ func (w *Waiters) Add(id string) (<-chan struct{}, func()) {
 	}
 }
 
+// Len reports how many channels are subscribed to id.
+func (w *Waiters) Len(id string) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.m[id])
+}
+
 // Wake wakes the channels subscribed to id.
 func (w *Waiters) Wake(id string) {
 	w.mu.Lock()

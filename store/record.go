@@ -84,6 +84,17 @@ type Response struct {
 	BodyOmitted bool
 }
 
+// Clone returns a deep copy of r (nil for nil).
+func (r *Response) Clone() *Response {
+	if r == nil {
+		return nil
+	}
+	c := *r
+	c.Header = r.Header.Clone()
+	c.Body = bytes.Clone(r.Body)
+	return &c
+}
+
 // Equal reports whether r and o are the same outcome: status, headers (a
 // nil and an empty header are the same), body and BodyOmitted. Two nil
 // responses are equal.

@@ -43,6 +43,7 @@ var settingHelp = map[string]string{
 	"retention":           "how long outcomes are replayed",
 	"poll":                "how often a waiting duplicate looks again when nothing wakes it",
 	"store_timeout":       "bound on each store call for a request, retries included",
+	"cache_size":          "completed outcomes kept in memory to answer replays without the store (negative: none)",
 	"journal_dir":         "`directory` where outcomes wait while the store is unreachable (none: memory only)",
 	"read_header_timeout": "bound on reading a request's headers",
 	"read_timeout":        "bound on reading a whole request, body included",
@@ -179,7 +180,8 @@ var sizeUnits = []struct {
 	n    int64
 }{{"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1}}
 
-// parseSize parses a size in bytes: 1048576, 1MiB, 512KiB, 2MB.
+// parseSize parses a size in bytes: 1048576, 1MiB, 512KiB, 2MB. A negative
+// size is the settings' way to say "none" where they allow it.
 func parseSize(v string) (int64, error) {
 	num, mult := strings.TrimSpace(v), int64(1)
 	for _, u := range sizeUnits {
@@ -189,7 +191,7 @@ func parseSize(v string) (int64, error) {
 		}
 	}
 	n, err := strconv.ParseInt(num, 10, 64)
-	if err != nil || n < 0 || n > math.MaxInt64/mult {
+	if err != nil || n > math.MaxInt64/mult || n < math.MinInt64/mult {
 		return 0, fmt.Errorf("%q is not a size such as 1048576, 512KiB or 2MiB", v)
 	}
 	return n * mult, nil

@@ -70,7 +70,9 @@ func TestMetrics(t *testing.T) {
 		`idem_requests_total{outcome="executed"} 1`,
 		`idem_requests_total{outcome="replayed"} 1`,
 		`idem_requests_total{outcome="mismatch"} 1`,
-		`idem_store_operation_duration_seconds_count{operation="acquire",result="ok",store="memory"} 4`,
+		// The first request, its replay and the lost one; the replay put the
+		// outcome in the engine's cache, which answers the mismatch.
+		`idem_store_operation_duration_seconds_count{operation="acquire",result="ok",store="memory"} 3`,
 		`idem_store_operation_duration_seconds_count{operation="finish",result="ok",store="memory"} 1`,
 		`idem_store_operation_duration_seconds_count{operation="renew",result="lease_lost",store="memory"} 1`,
 		`idem_leases_lost_total 1`,

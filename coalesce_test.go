@@ -1,0 +1,165 @@
+package idem_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
+	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+// counted counts the calls an engine makes to its store.
+type counted struct {
+	idem.Store
+	calls atomic.Int64
+}
+
+func (c *counted) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	c.calls.Add(1)
+	return c.Store.Acquire(ctx, p)
+}
+func (c *counted) Renew(ctx context.Context, p store.RenewParams) error {
+	c.calls.Add(1)
+	return c.Store.Renew(ctx, p)
+}
+func (c *counted) Finish(ctx context.Context, p store.FinishParams) error {
+	c.calls.Add(1)
+	return c.Store.Finish(ctx, p)
+}
+func (c *counted) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
+	c.calls.Add(1)
+	return c.Store.Get(ctx, p)
+}
+
+var charge = idem.BeginParams{Scope: "tenant", Key: "order-1", Fingerprint: testkit.Fingerprint(`{"amount":100}`)}
+
+// TestReplaysComeFromTheCache: once a replay has read a completed outcome
+// from the store, the next replays and a reused key's mismatch are answered
+// without it, until the retention runs out.
+func TestReplaysComeFromTheCache(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	s := &counted{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: s, Clock: clock, Retention: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	out, err := eng.Begin(ctx, charge)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	before := s.calls.Load() + 1 // the first replay reads the store
+	for range 100 {
+		out, err := eng.Begin(ctx, charge)
+		if err != nil || out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` || out.Record.Response.Header.Get(idem.HeaderExpires) == "" {
+			t.Fatalf("replay: %v %+v %v", out.Decision, out.Record.Response, err)
+		}
+	}
+	other := charge
+	other.Fingerprint = testkit.Fingerprint(`{"amount":500}`)
+	if out, err := eng.Begin(ctx, other); err != nil || out.Decision != idem.Mismatch || len(out.Diff) == 0 {
+		t.Fatalf("another payload: %v %v %v", out.Decision, out.Diff, err)
+	}
+	if n := s.calls.Load() - before; n != 0 {
+		t.Fatalf("100 replays and a mismatch made %d more store calls than the first replay; want none", n)
+	}
+	clock.Advance(time.Hour)
+	if out, err := eng.Begin(ctx, charge); err != nil || out.Decision != idem.Execute {
+		t.Fatalf("after the retention: %v %v; want a new run", out.Decision, err)
+	}
+}
+
+// TestDuplicatesShareOneWait: 1,000 duplicates of a request running in this
+// process wait for it without the store, and all get its outcome; the whole
+// costs the first request's own store calls.
+func TestDuplicatesShareOneWait(t *testing.T) {
+	s := &counted{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: s})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	first, err := eng.Begin(ctx, charge)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	const n = 1000
+	outs := make([]idem.Outcome, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i], _ = eng.Await(ctx, charge, 30*time.Second)
+		}()
+	}
+	wait.Until(t, 10*time.Second, "1,000 duplicates to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == n })
+	if err := eng.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	wait.Done(t, 10*time.Second, "the duplicates to get the outcome", wg.Wait)
+	for i, out := range outs {
+		if out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` {
+			t.Fatalf("duplicate %d: %v", i, out.Decision)
+		}
+	}
+	if calls := s.calls.Load(); calls > 10 {
+		t.Fatalf("one request and 1,000 duplicates made %d store calls; want at most 10", calls)
+	}
+}
+
+// TestDuplicatesOfARemoteRequestShareOnePoll: duplicates in this process of
+// a request another process runs poll the store once between them, not
+// once each.
+func TestDuplicatesOfARemoteRequestShareOnePoll(t *testing.T) {
+	shared := memstore.New()
+	other, _ := idem.New(idem.Config{Store: shared})
+	s := &counted{Store: shared}
+	eng, err := idem.New(idem.Config{Store: s, Poll: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	first, err := other.Begin(ctx, charge)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	const n = 200
+	outs := make([]idem.Outcome, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i], _ = eng.Await(ctx, charge, 30*time.Second)
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == n })
+	waited := s.calls.Load()
+	polls := time.Now()
+	if err := other.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	wait.Done(t, 10*time.Second, "the duplicates to get the outcome", wg.Wait)
+	for i, out := range outs {
+		if out.Decision != idem.Replay {
+			t.Fatalf("duplicate %d: %v", i, out.Decision)
+		}
+	}
+	// Every poll interval, one store call for all of them, give or take.
+	budget := int64(2*time.Since(polls)/(20*time.Millisecond)) + 5
+	if waited > n/4 || s.calls.Load()-waited > budget {
+		t.Fatalf("%d duplicates made %d store calls to start waiting and %d more; want one poll at a time between them",
+			n, waited, s.calls.Load()-waited)
+	}
+}

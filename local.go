@@ -1,0 +1,135 @@
+package idem
+
+import (
+	"sync"
+	"time"
+)
+
+// owners are the leases this engine's callers hold, by record: a duplicate
+// of a request running in this process is answered without the store. (A
+// lease is the caller's until it settles the record or the lease runs out,
+// and the record cannot change meanwhile but through it.)
+type owners struct {
+	mu sync.Mutex
+	m  map[string]Record
+}
+
+// add notes that the caller holding rec's token runs the work.
+func (o *owners) add(rec Record) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.m == nil {
+		o.m = map[string]Record{}
+	}
+	o.m[recordID(rec.Scope, rec.Key)] = rec
+}
+
+// renewed notes a renewal of l.
+func (o *owners) renewed(l Lease) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	id := recordID(l.Scope, l.Key)
+	if rec, ok := o.m[id]; ok && rec.Token == l.Token {
+		rec.LeaseExpires = l.Expires
+		o.m[id] = rec
+	}
+}
+
+// done notes that l's owner settled its record, or gave up.
+func (o *owners) done(l Lease) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	id := recordID(l.Scope, l.Key)
+	if rec, ok := o.m[id]; ok && rec.Token == l.Token {
+		delete(o.m, id)
+	}
+}
+
+// get returns the running record under scope and key whose lease a caller
+// of this engine holds at now.
+func (o *owners) get(scope, key string, now time.Time) (Record, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	id := recordID(scope, key)
+	rec, ok := o.m[id]
+	if ok && !now.Before(rec.LeaseExpires) {
+		delete(o.m, id) // run out: the store knows better now
+		return Record{}, false
+	}
+	return rec, ok
+}
+
+// waits groups the callers of Await that wait for one record with one
+// payload, so that only one of them at a time asks the store (the poller)
+// and the others take its news.
+type waits struct {
+	mu sync.Mutex
+	m  map[string]*waitGroup
+}
+
+type waitGroup struct {
+	id      string
+	members int
+	polling bool // a member asks the store
+	known   bool // out and err hold the poller's latest answer
+	out     Outcome
+	err     error
+}
+
+func (w *waits) join(p BeginParams) *waitGroup {
+	id := recordID(p.Scope, p.Key) + "\x00" + string(p.Fingerprint)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.m == nil {
+		w.m = map[string]*waitGroup{}
+	}
+	g := w.m[id]
+	if g == nil {
+		g = &waitGroup{id: id}
+		w.m[id] = g
+	}
+	g.members++
+	return g
+}
+
+// leave takes a member out; it reports whether others remain who must
+// hear that nobody polls any more (the member was the poller).
+func (w *waits) leave(g *waitGroup, polling bool) (handOver bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	g.members--
+	if g.members == 0 {
+		delete(w.m, g.id)
+		return false
+	}
+	if polling {
+		g.polling = false
+		return true
+	}
+	return false
+}
+
+// claim makes the caller the poller when nobody polls.
+func (w *waits) claim(g *waitGroup) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if g.polling {
+		return false
+	}
+	g.polling = true
+	return true
+}
+
+// publish records the poller's answer for the others.
+func (w *waits) publish(g *waitGroup, out Outcome, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	g.known, g.out, g.err = true, out, err
+}
+
+// latest is the poller's latest answer, if it has one.
+func (w *waits) latest(g *waitGroup) (Outcome, error, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return g.out, g.err, g.known
+}
