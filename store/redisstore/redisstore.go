@@ -257,12 +257,16 @@ func globEscape(s string) string {
 // ms converts a time to unix milliseconds, as stored.
 func ms(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
 
+// fromMS is t as a read of what ms stored returns it.
+func fromMS(t time.Time) time.Time { return time.UnixMilli(t.UnixMilli()).UTC() }
+
 // acquireScript applies store.AcquireParams.Apply to the record in KEYS[1]
-// and returns the record as it is afterwards: the values of recordFields, in
-// that order, false (nil) for a field the record does not have. It reads the
-// hash once, and returns what it read or wrote without reading it again. A
-// re-creation starts with no checkpoints; the UNKNOWN transition and a
-// takeover keep them.
+// and returns the record as it is afterwards: 1 when it created it where
+// there was none (the caller knows that record: the params made it), else
+// the values of recordFields, in that order, false (nil) for a field the
+// record does not have. It reads the hash once, and returns what it read or
+// wrote without reading it again. A re-creation starts with no checkpoints;
+// the UNKNOWN transition and a takeover keep them.
 //
 // KEYS: record, pending. ARGV: now, fp, token, lease, ts, scope, key.
 var acquireScript = redis.NewScript(`
@@ -276,10 +280,15 @@ if not live or state == 'failed' then
   local fence = '1'
   if live then fence = tostring(tonumber(r[4]) + 1) end
   r = {'in_progress', ARGV[2], ARGV[3], fence, ARGV[4], ARGV[5], false, ARGV[1], ARGV[1], '0', ARGV[6], ARGV[7], false}
-  redis.call('DEL', rec) -- drops the old response, checkpoints and TTL
+  if state then
+    redis.call('DEL', rec) -- drops the old response, checkpoints and TTL
+  end
   redis.call('HSET', rec, 'state', r[1], 'fp', r[2], 'token', r[3], 'fence', r[4], 'lease', r[5],
     'ts', r[6], 'created', r[8], 'updated', r[9], 'exp', r[10], 'scope', r[11], 'key', r[12])
   redis.call('ZADD', pending, r[5], rec)
+  if not state then
+    return 1
+  end
 elseif state == 'in_progress' and now >= tonumber(r[5]) then
   if r[6] ~= '1' then
     r[1], r[9] = 'unknown', ARGV[1]
@@ -351,9 +360,10 @@ if ARGV[3] == 'unknown' then
   redis.call('ZADD', KEYS[2], 'LT', ARGV[2], KEYS[1])
   return 1
 end
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'exp', ARGV[4], 'updated', ARGV[2])
 if ARGV[3] == 'completed' then
-  redis.call('HSET', KEYS[1], 'resp', ARGV[6])
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'exp', ARGV[4], 'updated', ARGV[2], 'resp', ARGV[6])
+else
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'exp', ARGV[4], 'updated', ARGV[2])
 end
 redis.call('ZREM', KEYS[2], KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
@@ -414,10 +424,19 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	if p.TakeoverSafe {
 		ts = "1"
 	}
-	v, err := acquireScript.Run(ctx, s.client, []string{rec, pending},
-		ms(p.Now), string(p.Fingerprint), p.Token, ms(p.LeaseExpires), ts, p.Scope, p.Key).Slice()
+	res, err := acquireScript.Run(ctx, s.client, []string{rec, pending},
+		ms(p.Now), string(p.Fingerprint), p.Token, ms(p.LeaseExpires), ts, p.Scope, p.Key).Result()
 	if err != nil {
 		return store.Record{}, translate("acquire", err)
+	}
+	if created, ok := res.(int64); ok && created == 1 {
+		r, _ := p.Apply(nil)
+		r.LeaseExpires, r.Created, r.Updated = fromMS(p.LeaseExpires), fromMS(p.Now), fromMS(p.Now) // as stored
+		return r, nil
+	}
+	v, ok := res.([]any)
+	if !ok {
+		return store.Record{}, fmt.Errorf("redisstore: acquire: the script returned %T", res)
 	}
 	fields, err := fieldValues(recordFields[:], v)
 	if err != nil {
