@@ -158,6 +158,7 @@ func TestDuplicatesOfARemoteRequestShareOnePoll(t *testing.T) {
 	}
 	// Every poll interval, one store call for all of them, give or take.
 	budget := int64(2*time.Since(polls)/(20*time.Millisecond)) + 5
+	t.Logf("%d duplicates: %d store calls to start waiting, %d more", n, waited, s.calls.Load()-waited)
 	if waited > n/4 || s.calls.Load()-waited > budget {
 		t.Fatalf("%d duplicates made %d store calls to start waiting and %d more; want one poll at a time between them",
 			n, waited, s.calls.Load()-waited)

@@ -76,8 +76,19 @@ type waitGroup struct {
 	err     error
 }
 
+func waitID(p BeginParams) string {
+	return recordID(p.Scope, p.Key) + "\x00" + string(p.Fingerprint)
+}
+
+// active reports whether callers already wait for p's record and payload.
+func (w *waits) active(p BeginParams) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.m) > 0 && w.m[waitID(p)] != nil
+}
+
 func (w *waits) join(p BeginParams) *waitGroup {
-	id := recordID(p.Scope, p.Key) + "\x00" + string(p.Fingerprint)
+	id := waitID(p)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.m == nil {

@@ -36,6 +36,18 @@ func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
 // a thousand duplicates cost what one does.
 func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration) (Outcome, error) {
 	deadline := e.clock.Now().Add(within)
+	// Most requests wait for nothing: decide once, and only a duplicate of
+	// running work (here, or known to callers already waiting) waits.
+	out, ok := e.known(p, true)
+	if ok && out.Decision != InFlight {
+		return out, nil
+	}
+	if !ok && !e.waits.active(p) {
+		out, err := e.Begin(ctx, p)
+		if err != nil || out.Decision != InFlight {
+			return out, err
+		}
+	}
 	local, cancelLocal := e.local.Subscribe(p.Scope, p.Key)
 	defer cancelLocal()
 	g := e.waits.join(p)

@@ -183,6 +183,9 @@ type keyHashKey struct{}
 // handler is given, or the one [Config.Observe] is told about once the key
 // is read. It is "" for any other request.
 func KeyHashOf(r *http.Request) string {
+	if c := callFrom(r.Context()); c != nil {
+		return c.keyHash
+	}
 	h, _ := r.Context().Value(keyHashKey{}).(string)
 	return h
 }
@@ -288,6 +291,7 @@ func HashScope(headers ...string) func(*http.Request) string {
 type call struct {
 	m       *Middleware
 	lease   idem.Lease
+	keyHash string
 	verdict atomic.Int32
 	settled atomic.Bool // the handler settled the record itself (Finish)
 }
@@ -430,8 +434,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
 	}
 	hash := idem.KeyHash(scope, key)
-	r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, hash))
-	log := m.log.With("key_hash", hash, "method", r.Method, "path", r.URL.Path)
+	if m.cfg.Observe != nil { // KeyHashOf, for what it is told
+		r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, hash))
+	}
+	log := func() *slog.Logger { // made when a line is logged, not for every request
+		return m.log.With("key_hash", hash, "method", r.Method, "path", r.URL.Path)
+	}
 
 	// The engine's store calls are detached from the client: one that goes
 	// away mid-acquire never leaves a record behind for work that did not
@@ -444,24 +452,24 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	if err != nil && r.Context().Err() != nil && !errors.Is(err, idem.ErrUnavailable) {
 		m.observe(r, ObservedClientGone)
-		log.Info("idempotency: the client went away while waiting", "err", err)
+		log().Info("idempotency: the client went away while waiting", "err", err)
 		return
 	}
 	if err != nil {
 		if errors.Is(err, idem.ErrInvalid) {
-			log.Error("idempotency: invalid input", "err", err)
+			log().Error("idempotency: invalid input", "err", err)
 			(&Problem{Type: ProblemIdempotencyFailed, Title: "Idempotency misconfigured", Status: http.StatusInternalServerError,
 				Detail: "the server's idempotency scope is invalid"}).Write(w)
 			return
 		}
 		if m.cfg.FailOpen && r.Context().Err() == nil {
 			m.observe(r, ObservedFailOpen)
-			log.Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
+			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
 			next.ServeHTTP(w, r)
 			return
 		}
 		m.observe(r, ObservedStoreError)
-		log.Error("idempotency store unavailable: refusing (fail-closed)", "err", err)
+		log().Error("idempotency store unavailable: refusing (fail-closed)", "err", err)
 		(&Problem{Type: ProblemStoreUnavailable, Title: "Idempotency store unavailable", Status: http.StatusServiceUnavailable,
 			Detail: "the request was not run; retry it with the same key", RetryAfter: time.Second}).Write(w)
 		return
@@ -472,12 +480,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			// Gone before anything ran: release the key for its retry.
 			m.observe(r, ObservedClientGone)
 			if err := m.cfg.Engine.Release(context.WithoutCancel(r.Context()), out.Lease); err != nil {
-				log.Error("idempotency: cannot release the key of a request whose client went away", "err", err)
+				log().Error("idempotency: cannot release the key of a request whose client went away", "err", err)
 			}
 			return
 		}
 		m.observe(r, ObservedExecuted)
-		m.execute(w, r, next, out.Lease, log)
+		m.execute(w, r, next, out.Lease, hash, log)
 	case idem.Replay:
 		if out.Record.Response.BodyOmitted {
 			m.observe(r, ObservedNotReplayable)
@@ -518,11 +526,11 @@ func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint 
 }
 
 // execute runs the handler under the lease and settles the record.
-func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, log *slog.Logger) {
+func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, hash string, log func() *slog.Logger) {
 	eng := m.cfg.Engine
 	// The client going away must not stop the work: its retry wants the outcome.
 	held, stop := eng.Hold(context.WithoutCancel(r.Context()), lease)
-	state := &call{m: m, lease: lease}
+	state := &call{m: m, lease: lease, keyHash: hash}
 	ctx := context.WithValue(held, callKey{}, state)
 	c := newCapture(w, m.cfg.MaxResponseBody)
 	c.expires = func() string { return eng.Expires(lease).UTC().Format(http.TimeFormat) }
@@ -542,7 +550,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		} else {
 			err = eng.MarkUnknown(settle, lease)
 		}
-		log.Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[m.cfg.TakeoverSafe], "err", err)
+		log().Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[m.cfg.TakeoverSafe], "err", err)
 	}()
 	next.ServeHTTP(c, r.WithContext(ctx))
 	panicked = false
@@ -580,7 +588,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		// outcome all the same, without a promise to replay it. A retry
 		// finds the record in progress, unknown, or settled by the newer
 		// owner: never run blindly.
-		log.Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
+		log().Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
 		extra.Del(HeaderExpires)
 	}
 	c.deliver(extra)
