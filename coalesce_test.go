@@ -164,3 +164,58 @@ func TestDuplicatesOfARemoteRequestShareOnePoll(t *testing.T) {
 			n, waited, s.calls.Load()-waited)
 	}
 }
+
+// gated is a store whose first Acquire waits for the test.
+type gated struct {
+	*counted
+	entered, release chan struct{}
+	once             sync.Once
+}
+
+func (g *gated) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	first := false
+	g.once.Do(func() { first = true })
+	if first {
+		close(g.entered)
+		<-g.release
+	}
+	return g.counted.Acquire(ctx, p)
+}
+
+// TestConcurrentRequestsShareOneAcquire: requests for a key that arrive
+// while its acquire is on its way to the store take that acquire's answer:
+// one runs, and the others are told it runs, for one store call.
+func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
+	g := &gated{counted: &counted{Store: memstore.New()}, entered: make(chan struct{}), release: make(chan struct{})}
+	eng, err := idem.New(idem.Config{Store: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	const n = 100
+	outs := make([]idem.Outcome, n)
+	var started, done sync.WaitGroup
+	for i := range n {
+		started.Add(1)
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			started.Done()
+			outs[i], _ = eng.Begin(ctx, charge)
+		}()
+	}
+	wait.Recv(t, g.entered, 10*time.Second, "the first acquire")
+	wait.Done(t, 10*time.Second, "every request to start", started.Wait)
+	close(g.release)
+	wait.Done(t, 10*time.Second, "every request's answer", done.Wait)
+	decisions := map[idem.Decision]int{}
+	for _, out := range outs {
+		decisions[out.Decision]++
+	}
+	if decisions[idem.Execute] != 1 || decisions[idem.InFlight] != n-1 {
+		t.Fatalf("decisions %v; want one execute and %d in flight", decisions, n-1)
+	}
+	if calls := g.calls.Load(); calls > 10 {
+		t.Fatalf("%d concurrent requests made %d acquires; want them to share the first", n, calls)
+	}
+}

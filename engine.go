@@ -103,9 +103,10 @@ type Engine struct {
 	storeTimeout time.Duration
 	notifier     Notifier
 	local        localNotifier
-	owners       owners // leases this engine's callers hold
-	waits        waits  // Await's callers, by record and payload
-	cache        *cache // completed records
+	owners       owners  // leases this engine's callers hold
+	flights      flights // acquires on their way to the store
+	waits        waits   // Await's callers, by record and payload
+	cache        *cache  // completed records
 	journal      *journal
 	log          *slog.Logger
 	down         atomic.Bool // the store has not answered for a whole store timeout
@@ -300,6 +301,27 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	if out, ok := e.known(p, false); ok {
 		return out, nil
 	}
+	// A request for a key whose acquire is on its way to the store takes
+	// that acquire's answer: it happened at the same moment.
+	f, leader := e.flights.join(p.Scope, p.Key)
+	if !leader {
+		select {
+		case <-f.done:
+		case <-ctx.Done():
+			return Outcome{}, ctx.Err()
+		}
+		if f.err != nil {
+			return Outcome{}, f.err
+		}
+		return decide(f.rec, p.Fingerprint, e.clock.Now()), nil
+	}
+	out, err := e.acquire(ctx, p, lease, retention)
+	e.flights.land(f, out.Record, err)
+	return out, err
+}
+
+// acquire asks the store for the record, with a new token, and decides.
+func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention time.Duration) (Outcome, error) {
 	token, err := store.NewToken()
 	if err != nil {
 		return Outcome{}, err

@@ -144,3 +144,44 @@ func (w *waits) latest(g *waitGroup) (Outcome, error, bool) {
 	defer w.mu.Unlock()
 	return g.out, g.err, g.known
 }
+
+// flights are the acquires on their way to the store, by record: a request
+// for the same record meanwhile takes the answer of the one in flight
+// instead of asking too.
+type flights struct {
+	mu sync.Mutex
+	m  map[string]*flight
+}
+
+type flight struct {
+	id   string
+	done chan struct{} // closed when rec and err are set
+	rec  Record
+	err  error
+}
+
+// join returns the flight for scope and key, and whether the caller leads
+// it (and must land it).
+func (fs *flights) join(scope, key string) (*flight, bool) {
+	id := recordID(scope, key)
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if f, ok := fs.m[id]; ok {
+		return f, false
+	}
+	if fs.m == nil {
+		fs.m = map[string]*flight{}
+	}
+	f := &flight{id: id, done: make(chan struct{})}
+	fs.m[id] = f
+	return f, true
+}
+
+// land gives the flight's answer to the callers that joined it.
+func (fs *flights) land(f *flight, rec Record, err error) {
+	fs.mu.Lock()
+	delete(fs.m, f.id)
+	fs.mu.Unlock()
+	f.rec, f.err = rec, err
+	close(f.done)
+}

@@ -48,8 +48,9 @@ func main() {
 	stormDelay := flag.Duration("storm-delay", 50*time.Millisecond, "how long the handler takes in the storm")
 	out := flag.String("out", "", "directory for results.md, results.json and the SVG plots")
 	only := flag.String("stores", "", "comma-separated stores to measure (default: memory, sqlite, and postgres and redis when their variables are set)")
+	prefill := flag.Int("prefill", 0, "settled records written to PostgreSQL's records table before the run (to see how cost grows with the table)")
 	flag.Parse()
-	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *only); err != nil {
+	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *only, *prefill); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -135,7 +136,7 @@ func (t *target) calls() int64 {
 	return n
 }
 
-func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only string) error {
+func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only string, prefill int) error {
 	ctx := context.Background()
 	self, err := os.Executable()
 	if err != nil {
@@ -175,6 +176,12 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 	}
 	server := newServerStats(dsns)
 	defer server.close()
+	if prefill > 0 {
+		progress.say("writing %d settled records to PostgreSQL", prefill)
+		if err := server.prefill(ctx, prefill); err != nil {
+			return err
+		}
+	}
 	results := map[string][]result{} // "target/workload" → one per round
 	for r := range rounds {
 		for _, w := range []workload{fresh, replay} {
@@ -211,7 +218,7 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 		slices.SortFunc(storms, func(a, b stormResult) int { return strings.Compare(a.Target, b.Target) })
 	}
 	progress.done()
-	rep := report{Rounds: rounds, Duration: d, Conns: conns, Targets: names, Results: results, Storms: storms, Server: server.notes()}
+	rep := report{Rounds: rounds, Duration: d, Conns: conns, Prefill: prefill, Targets: names, Results: results, Storms: storms, Server: server.notes()}
 	rep.print(os.Stdout)
 	if out != "" {
 		return rep.write(out)

@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -338,6 +339,15 @@ func serve(target, dsn string, delay time.Duration) error {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
+	}
+	if dir := os.Getenv("BENCH_CPUPROFILE"); dir != "" { // a CPU profile of each target
+		f, err := os.Create(filepath.Join(dir, strings.ReplaceAll(target, ":", "-")+".pprof"))
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
 	}
 	fmt.Println("ADDR", ln.Addr().String())
 	go (&http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}).Serve(ln)
