@@ -53,12 +53,17 @@ func newServerStats(dsns map[string]string) *serverStats {
 	return s
 }
 
+// close drops what the run wrote to PostgreSQL (its schema, the raw table)
+// and closes the connections. (Redis's keys expire by themselves.)
 func (s *serverStats) close() {
+	ctx := context.Background()
 	if s.redis != nil {
 		s.redis.Close()
 	}
 	if s.pg != nil {
-		s.pg.Close(context.Background())
+		s.pg.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{s.schema}.Sanitize()+` CASCADE`)
+		s.pg.Exec(ctx, `DROP TABLE IF EXISTS bench_raw`)
+		s.pg.Close(ctx)
 	}
 }
 

@@ -400,7 +400,7 @@ func (p ListParams) Validate() error {
 	}
 	for _, st := range p.States {
 		if !st.Valid() {
-			return invalid(fmt.Sprintf("list of state %q", st))
+			return invalid("list of state %q", st)
 		}
 	}
 	if !p.CreatedFrom.IsZero() && !p.CreatedBefore.IsZero() && !p.CreatedFrom.Before(p.CreatedBefore) {

@@ -32,6 +32,7 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -387,7 +388,8 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 	transport.Protocols = new(http.Protocols)
 	transport.Protocols.SetHTTP1(true)
 	return &httputil.ReverseProxy{
-		Transport: transport,
+		Transport:  transport,
+		BufferPool: buffers,
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
 			pr.SetXForwarded()
@@ -426,6 +428,14 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 		},
 	}
 }
+
+// buffers are the reverse proxy's copy buffers, reused across requests.
+var buffers = &bufferPool{sync.Pool{New: func() any { return new([32 << 10]byte) }}}
+
+type bufferPool struct{ p sync.Pool }
+
+func (b *bufferPool) Get() []byte  { return b.p.Get().(*[32 << 10]byte)[:] }
+func (b *bufferPool) Put(x []byte) { b.p.Put((*[32 << 10]byte)(x[:32<<10])) }
 
 // neverResent makes sure net/http's transport never sends out a second
 // time by itself. It resends a request whose reused connection broke before
