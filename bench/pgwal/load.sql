@@ -1,0 +1,35 @@
+-- 3,000 keys into idem_walcost.:tbl after a checkpoint; prints the WAL bytes
+-- per key and the HOT share of the updates. The record's sizes are those of
+-- the harness: a 60-byte fingerprint, a 26-byte token, 220 B of body and
+-- 100 B of status and headers.
+SET idem.tbl = :'tbl';
+CHECKPOINT;
+SELECT pg_current_wal_lsn() AS start \gset
+DO $$
+DECLARE
+	tbl text := current_setting('idem.tbl');
+	k text;
+BEGIN
+	FOR i IN 1..3000 LOOP
+		k := md5(random()::text);
+		IF tbl = 'raw' THEN
+			INSERT INTO idem_walcost.raw VALUES ('', k, 'in_progress') ON CONFLICT DO NOTHING;
+			COMMIT;
+			UPDATE idem_walcost.raw SET state = 'completed', body = convert_to(repeat('x', 220), 'UTF8')
+			WHERE scope = '' AND key = k;
+			COMMIT;
+		ELSE
+			EXECUTE format('INSERT INTO idem_walcost.%I VALUES ($1, $2, ''in_progress'', $3, $4, 1, now() + interval ''30s'', false, NULL, now(), now(), NULL, NULL) ON CONFLICT DO NOTHING', tbl)
+				USING 'tenant', k, repeat('f', 60), repeat('t', 26);
+			COMMIT;
+			EXECUTE format('UPDATE idem_walcost.%I SET state = ''completed'', response = $3, expires = now() + interval ''24h'', updated = now() WHERE scope = $1 AND key = $2', tbl)
+				USING 'tenant', k, convert_to(repeat('x', 320), 'UTF8');
+			COMMIT;
+		END IF;
+	END LOOP;
+END $$;
+SELECT pg_stat_force_next_flush() \gset
+SELECT format('%-16s %5s B of WAL per key, %s of %s updates HOT', :'tbl',
+	round(pg_wal_lsn_diff(pg_current_wal_lsn(), :'start') / 3000),
+	n_tup_hot_upd, n_tup_upd)
+FROM pg_stat_user_tables WHERE schemaname = 'idem_walcost' AND relname = :'tbl';

@@ -1,0 +1,17 @@
+DROP SCHEMA IF EXISTS idem_walcost CASCADE;
+CREATE SCHEMA idem_walcost;
+-- idem's records table and indexes (store/pgstore/migrations).
+CREATE TABLE idem_walcost.idem (
+	scope text COLLATE "C" NOT NULL, key text COLLATE "C" NOT NULL, state text NOT NULL,
+	fingerprint text NOT NULL, token text NOT NULL, fence bigint NOT NULL,
+	lease_expires timestamptz NOT NULL, takeover_safe boolean NOT NULL, response bytea,
+	created timestamptz NOT NULL, updated timestamptz NOT NULL, expires timestamptz,
+	checkpoints bytea, PRIMARY KEY (scope, key));
+CREATE INDEX ON idem_walcost.idem (expires) WHERE state IN ('completed', 'failed');
+CREATE INDEX ON idem_walcost.idem (scope, key) WHERE state IN ('in_progress', 'unknown');
+-- The same without the prune and scan indexes: what HOT completes would cost.
+CREATE TABLE idem_walcost.idem_no_partial (LIKE idem_walcost.idem INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+ALTER TABLE idem_walcost.idem_no_partial ADD PRIMARY KEY (scope, key);
+-- The raw limit (bench/serve.go's rawTable).
+CREATE TABLE idem_walcost.raw (scope text NOT NULL, key text NOT NULL, state text NOT NULL,
+	body bytea, PRIMARY KEY (scope, key));
