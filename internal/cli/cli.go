@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/internal/telemetry"
@@ -152,11 +153,29 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	}
 	defer closeEngine(eng, cmp.Or(cfg.ShutdownTimeout, proxy.DefaultShutdownTimeout), log)
 	health := watchHealth(ctx, eng, opened, tel, log)
-	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics()}
+	con, err := newConsole(eng, tel, cfg.AdminToken, cfg.ConsoleReadOnly, cfg.ConsoleMask, cfg.AuditLog, log)
+	if err != nil {
+		return fail(stderr, "idem proxy", err)
+	}
+	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics(), Console: con}
 	if err := proxy.Serve(ctx, cfg, eng, health, log, hooks, nil); err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
 	return 0
+}
+
+// newConsole makes the operator console of a server, on its telemetry's
+// counters; auditPath "" keeps the audit log in memory.
+func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, token string, readOnly, mask bool, auditPath string, log *slog.Logger) (*console.Console, error) {
+	audit, err := console.OpenAudit(auditPath)
+	if err != nil {
+		return nil, err
+	}
+	counts := func() console.Counts {
+		req, calls, secs, failed := tel.Counts()
+		return console.Counts{Requests: req, StoreCalls: calls, StoreSeconds: secs, StoreErrors: failed}
+	}
+	return console.New(console.Config{Engine: eng, Counts: counts, Token: token, ReadOnly: readOnly, Mask: mask, Audit: audit, Logger: log})
 }
 
 // healthEvery is how often a server looks at its store's health.

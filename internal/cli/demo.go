@@ -1,7 +1,9 @@
 package cli
 
 import (
+	"cmp"
 	"context"
+	"crypto/rand"
 	"fmt"
 	"io"
 	"net/http"
@@ -26,7 +28,9 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	lease := fs.Duration("lease", idem.DefaultLease, "lease length")
 	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner; 0s for none")
 	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
-	admin := fs.String("admin-listen", "127.0.0.1:8091", "`address` of /healthz, /readyz and /metrics (Prometheus); empty: none")
+	admin := fs.String("admin-listen", "127.0.0.1:8091", "`address` of /healthz, /readyz, /metrics (Prometheus) and the console (/console/); empty: none")
+	token := fs.String("admin-token", "", "`token` the console's actions need (default: IDEM_ADMIN_TOKEN, or one made up and printed at start)")
+	auditLog := fs.String("audit-log", "idem-demo-audit.log", "`file` the console's actions are appended to")
 	journal := fs.String("journal-dir", "idem-demo-journal", "`directory` where outcomes wait while the store is unreachable")
 	newLog := logFlag(fs, env, stderr)
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
@@ -97,11 +101,22 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return failed(err)
 	}
 	if *admin != "" {
-		url, err := serve(*admin, proxy.Admin(watchHealth(ctx, eng, opened, tel, log), tel.Metrics()))
+		made := *token == "" && env("IDEM_ADMIN_TOKEN") == ""
+		secret := cmp.Or(*token, env("IDEM_ADMIN_TOKEN"), rand.Text())
+		con, err := newConsole(eng, tel, secret, false, false, *auditLog, log)
+		if err != nil {
+			return failed(err)
+		}
+		url, err := serve(proxy.LoopbackByDefault(*admin), proxy.Admin(watchHealth(ctx, eng, opened, tel, log), tel.Metrics(), con))
 		if err != nil {
 			return failed(err)
 		}
 		fmt.Fprintf(stdout, "admin on %s (/healthz, /readyz, /metrics)\n", url)
+		if made {
+			fmt.Fprintf(stdout, "console on %s/console/ (admin token for its actions: %s)\n", url, secret)
+		} else {
+			fmt.Fprintf(stdout, "console on %s/console/ (its actions take the admin token you set)\n", url)
+		}
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)

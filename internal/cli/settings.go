@@ -36,7 +36,11 @@ var settingHelp = map[string]string{
 	"listen":              "`address` to serve the proxied API on",
 	"upstream":            "`URL` of the API behind the proxy",
 	"store":               "the store, a `DSN`: " + storeKinds,
-	"admin_listen":        "`address` of /healthz, /readyz and /metrics (Prometheus)",
+	"admin_listen":        "`address` of /healthz, /readyz, /metrics (Prometheus) and the console (/console/); a bare :port is on loopback",
+	"admin_token":         "`token` every console action must carry; prefer the variable, as a flag shows in the process list",
+	"console_read_only":   "serve the console with no action, and no token needed",
+	"console_mask":        "hide keys and stored bodies in the console",
+	"audit_log":           "`file` the console's actions are appended to",
 	"upstream_timeout":    "wait for the upstream's response headers; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
 	"lease":               "lease length, renewed while the upstream works",
@@ -72,6 +76,8 @@ var settingHelp = map[string]string{
 var zeroMeans = map[string]string{
 	"upstream":       "required",
 	"admin_listen":   "off",
+	"admin_token":    "none: the console is off unless read-only",
+	"audit_log":      "memory only",
 	"include_fields": "all",
 	"store_headers":  "all but credentials and hop-by-hop",
 }

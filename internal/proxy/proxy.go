@@ -108,9 +108,21 @@ type Config struct {
 	Upstream string `yaml:"upstream"`
 	// Store is the store DSN. Defaults to storeopen.Default (sqlite:idem.db).
 	Store string `yaml:"store"`
-	// AdminListen serves /healthz, /readyz and /metrics on an address of
-	// its own, so they never shadow an upstream path. Defaults to off.
+	// AdminListen serves /healthz, /readyz, /metrics and the console
+	// (/console/) on an address of its own, so they never shadow an
+	// upstream path. An address without a host (":8091") is on loopback;
+	// say 0.0.0.0:8091 for every interface. Defaults to off.
 	AdminListen string `yaml:"admin_listen"`
+	// AdminToken is the token every console action must carry. Without it
+	// the console is off, unless ConsoleReadOnly.
+	AdminToken string `yaml:"admin_token"`
+	// ConsoleReadOnly serves the console with no action at all, token or not.
+	ConsoleReadOnly bool `yaml:"console_read_only"`
+	// ConsoleMask hides keys and stored bodies in the console.
+	ConsoleMask bool `yaml:"console_mask"`
+	// AuditLog is the file the console's actions are appended to. Defaults
+	// to none: the audit log is kept in memory only.
+	AuditLog string `yaml:"audit_log"`
 	// UpstreamTimeout bounds the wait for the upstream's response headers;
 	// past it the outcome is unknown. Defaults to [DefaultUpstreamTimeout].
 	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
@@ -185,6 +197,12 @@ type Hooks struct {
 	Wrap func(http.Handler) http.Handler
 	// Metrics is served at /metrics on the admin listener.
 	Metrics http.Handler
+	// Console is served at /console/ on the admin listener; Mode says what
+	// it allows (actions, read-only or off), for the start-up line.
+	Console interface {
+		http.Handler
+		Mode() string
+	}
 }
 
 // middleware makes the route's middleware.
@@ -475,11 +493,16 @@ func isTimeout(err error) bool {
 }
 
 // Admin serves /healthz (the process is up), /readyz (the store answers,
-// and what health knows of it) and, when metrics is not nil, /metrics.
-func Admin(health *Health, metrics http.Handler) http.Handler {
+// and what health knows of it) and, when they are not nil, /metrics and the
+// console under /console/.
+func Admin(health *Health, metrics, console http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	if metrics != nil {
 		mux.Handle("GET /metrics", metrics)
+	}
+	if console != nil {
+		mux.Handle("/console/", console)
+		mux.Handle("GET /console", http.RedirectHandler("/console/", http.StatusMovedPermanently))
 	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "ok")
@@ -495,6 +518,15 @@ func Admin(health *Health, metrics http.Handler) http.Handler {
 		io.WriteString(w, st.String())
 	})
 	return mux
+}
+
+// LoopbackByDefault puts an address without a host (":8091") on loopback,
+// where an admin listener belongs unless asked otherwise.
+func LoopbackByDefault(addr string) string {
+	if host, port, err := net.SplitHostPort(addr); err == nil && host == "" {
+		return net.JoinHostPort("127.0.0.1", port)
+	}
+	return addr
 }
 
 // Servers runs HTTP servers with the same limits, and shuts them down
@@ -569,7 +601,11 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 	}
 	adminAddr := ""
 	if cfg.AdminListen != "" {
-		if adminAddr, err = servers.Listen(cfg.AdminListen, Admin(health, hooks.Metrics)); err != nil {
+		var console http.Handler
+		if hooks.Console != nil {
+			console = hooks.Console
+		}
+		if adminAddr, err = servers.Listen(LoopbackByDefault(cfg.AdminListen), Admin(health, hooks.Metrics, console)); err != nil {
 			servers.Shutdown(0)
 			return err
 		}
@@ -580,6 +616,9 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 	}
 	if adminAddr != "" {
 		attrs = append(attrs, "admin", adminAddr)
+		if hooks.Console != nil {
+			attrs = append(attrs, "console", hooks.Console.Mode())
+		}
 	}
 	log.Info("idem proxy listening", attrs...)
 	if ready != nil {

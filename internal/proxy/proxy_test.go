@@ -302,7 +302,7 @@ func TestAdmin(t *testing.T) {
 		store idem.Store
 		ready int
 	}{"up": {memstore.New(), 200}, "down": {downStore{memstore.New()}, 503}} {
-		srv := httptest.NewServer(proxy.Admin(proxy.NewHealth(mustEngine(t, c.store), c.store, "memory", quiet), nil))
+		srv := httptest.NewServer(proxy.Admin(proxy.NewHealth(mustEngine(t, c.store), c.store, "memory", quiet), nil, nil))
 		defer srv.Close()
 		for path, want := range map[string]int{"/healthz": 200, "/readyz": c.ready} {
 			resp, err := http.Get(srv.URL + path)
@@ -458,5 +458,16 @@ func TestLogsNameTheRequest(t *testing.T) {
 	}
 	if warned == nil || warned["method"] != "POST" || warned["path"] != "/broken" || warned["key_hash"] != k2 {
 		t.Fatalf("the upstream warning = %v; want it to name POST /broken and key hash %s", warned, k2)
+	}
+}
+
+func TestLoopbackByDefault(t *testing.T) {
+	for in, want := range map[string]string{
+		":9090": "127.0.0.1:9090", "0.0.0.0:9090": "0.0.0.0:9090", "[::1]:9090": "[::1]:9090",
+		"10.0.0.5:9090": "10.0.0.5:9090", "localhost:9090": "localhost:9090",
+	} {
+		if got := proxy.LoopbackByDefault(in); got != want {
+			t.Errorf("LoopbackByDefault(%q) = %q, want %q", in, got, want)
+		}
 	}
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
@@ -103,6 +104,45 @@ func (t *Telemetry) Shutdown(ctx context.Context) error { return t.shutdown(ctx)
 // Metrics serves the Prometheus metrics.
 func (t *Telemetry) Metrics() http.Handler {
 	return promhttp.HandlerFor(t.registry, promhttp.HandlerOpts{})
+}
+
+// Counts reads the request and store counters, as /metrics serves them:
+// requests by outcome, and the store operations, their total time and the
+// number that failed (unavailable or error).
+func (t *Telemetry) Counts() (requests map[string]float64, storeCalls, storeSeconds, storeFailed float64) {
+	requests = map[string]float64{}
+	families, err := t.registry.Gather()
+	if err != nil {
+		return requests, 0, 0, 0
+	}
+	for _, f := range families {
+		switch f.GetName() {
+		case "idem_requests_total":
+			for _, m := range f.GetMetric() {
+				requests[label(m, "outcome")] += m.GetCounter().GetValue()
+			}
+		case "idem_store_operation_duration_seconds":
+			for _, m := range f.GetMetric() {
+				h := m.GetHistogram()
+				n := float64(h.GetSampleCount())
+				storeCalls += n
+				storeSeconds += h.GetSampleSum()
+				if r := label(m, "result"); r == "unavailable" || r == "error" {
+					storeFailed += n
+				}
+			}
+		}
+	}
+	return requests, storeCalls, storeSeconds, storeFailed
+}
+
+func label(m *dto.Metric, name string) string {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
 }
 
 // Health registers the gauges of a store's health, read from status at

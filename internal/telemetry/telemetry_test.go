@@ -84,6 +84,11 @@ func TestMetrics(t *testing.T) {
 			t.Errorf("metrics lack %s", want)
 		}
 	}
+	// The console reads the same counters.
+	req, calls, _, failed := tel.Counts()
+	if req["executed"] != 1 || req["replayed"] != 1 || req["mismatch"] != 1 || calls != 5 || failed != 0 {
+		t.Errorf("Counts() = %v, %v calls, %v failed; want 1 executed, replayed, mismatch, and 5 store calls (3 acquires, a finish, a renew), none failed", req, calls, failed)
+	}
 }
 
 // receiver is an OTLP/HTTP trace endpoint that keeps what it gets.

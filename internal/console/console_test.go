@@ -1,0 +1,382 @@
+package console_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/console"
+	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
+)
+
+const token = "s3cret-token"
+
+var quiet = slog.New(slog.DiscardHandler)
+
+// world is a console on an engine with a clock of its own.
+type world struct {
+	eng   *idem.Engine
+	clock *storetest.Clock
+	srv   *httptest.Server
+	audit string
+}
+
+func newWorld(t *testing.T, cfg console.Config) *world {
+	t.Helper()
+	clock := storetest.NewClock(time.Now().UTC().Truncate(time.Second))
+	eng, err := idem.New(idem.Config{Store: memstore.New(), Clock: clock, Lease: 30 * time.Second, CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close(context.Background()) })
+	w := &world{eng: eng, clock: clock, audit: filepath.Join(t.TempDir(), "audit.log")}
+	if cfg.Audit == nil {
+		if cfg.Audit, err = console.OpenAudit(w.audit); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg.Engine, cfg.Logger = eng, quiet
+	c, err := console.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.srv = httptest.NewServer(c)
+	t.Cleanup(w.srv.Close)
+	return w
+}
+
+// unknown makes an UNKNOWN record of key.
+func (w *world) unknown(t *testing.T, key string) idem.Record {
+	t.Helper()
+	ctx := context.Background()
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges", Body: []byte(key)})})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin(%s) = %v, %v", key, out.Decision, err)
+	}
+	if err := w.eng.MarkUnknown(ctx, out.Lease); err != nil {
+		t.Fatal(err)
+	}
+	return w.get(t, key)
+}
+
+// completed makes a COMPLETED record of key with body.
+func (w *world) completed(t *testing.T, key, body string) {
+	t.Helper()
+	ctx := context.Background()
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges"})})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin(%s) = %v, %v", key, out.Decision, err)
+	}
+	resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"text/html"}}, Body: []byte(body)}
+	if err := w.eng.Complete(ctx, out.Lease, resp); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (w *world) get(t *testing.T, key string) idem.Record {
+	t.Helper()
+	r, err := w.eng.Get(context.Background(), "", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// page GETs path and returns the status and the body.
+func (w *world) page(t *testing.T, path string) (int, string) {
+	t.Helper()
+	res, err := http.Get(w.srv.URL + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(b)
+}
+
+// post sends a form as the console's own page does, and returns the status
+// and the body (redirects not followed).
+func (w *world) post(t *testing.T, path string, form url.Values, header http.Header) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", w.srv.URL+path, strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", w.srv.URL)
+	req.Header.Set("Sec-Fetch-Site", "same-origin")
+	for k, v := range header {
+		req.Header[k] = v
+	}
+	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	res, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(b)
+}
+
+func resolveForm(r idem.Record, action string) url.Values {
+	return url.Values{"action": {action}, "scope": {r.Scope}, "key": {r.Key}, "fence": {strconv.FormatInt(r.Fence, 10)},
+		"state": {string(r.State)}, "status": {"201"}, "headers": {"Content-Type: application/json"}, "body": {`{"id":"ch_1"}`},
+		"who": {"ana"}, "token": {token}}
+}
+
+func TestOffWithoutTokenUnlessReadOnly(t *testing.T) {
+	w := newWorld(t, console.Config{})
+	if code, body := w.page(t, "/console/"); code != http.StatusForbidden || !strings.Contains(body, "console is off") {
+		t.Errorf("no token: GET /console/ = %d, want 403 saying the console is off:\n%s", code, body)
+	}
+	w.completed(t, "k1", "hello")
+	ro := newWorld(t, console.Config{ReadOnly: true})
+	ro.completed(t, "k1", "hello")
+	if code, body := ro.page(t, "/console/records"); code != http.StatusOK || !strings.Contains(body, "k1") {
+		t.Errorf("read-only: GET /console/records = %d, want 200 listing k1:\n%s", code, body)
+	}
+	ro.unknown(t, "u1")
+	form := resolveForm(ro.get(t, "u1"), "resolve_failed")
+	if code, _ := ro.post(t, "/console/act", form, nil); code != http.StatusForbidden {
+		t.Errorf("read-only: an action = %d, want 403", code)
+	}
+	if got := ro.get(t, "u1").State; got != idem.StateUnknown {
+		t.Errorf("read-only: the record is %s after a refused action, want unknown", got)
+	}
+}
+
+// TestStoredScriptIsText: a stored body is shown as text, and the page's
+// policy lets no inline script run even if it were not.
+func TestStoredScriptIsText(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	w.completed(t, "xss", `<script>document.title="owned"</script><img src=x onerror=alert(1)>`)
+	res, err := http.Get(w.srv.URL + "/console/record?key=xss")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	body := string(b)
+	if strings.Contains(body, "<script>document") || strings.Contains(body, "<img src=x") {
+		t.Errorf("the stored body is in the page as HTML:\n%s", body)
+	}
+	if !strings.Contains(body, "&lt;script&gt;document.title=&#34;owned&#34;&lt;/script&gt;") {
+		t.Errorf("the stored body is not shown as text:\n%s", body)
+	}
+	if csp := res.Header.Get("Content-Security-Policy"); !strings.Contains(csp, "script-src 'self'") || strings.Contains(csp, "unsafe-inline") {
+		t.Errorf("Content-Security-Policy = %q, want scripts from the console only", csp)
+	}
+}
+
+func TestActionsNeedTheToken(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	rec := w.unknown(t, "u1")
+	for name, tok := range map[string]string{"missing": "", "wrong": "s3cret-tokem"} {
+		form := resolveForm(rec, "resolve_completed")
+		form.Set("token", tok)
+		if code, body := w.post(t, "/console/act", form, nil); code != http.StatusForbidden || !strings.Contains(body, "Nothing was changed") {
+			t.Errorf("%s token: %d, want 403 saying nothing changed:\n%s", name, code, body)
+		}
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Fatalf("after refused actions the record is %s, want unknown", got.State)
+	}
+	// A request another site makes the browser send is refused, token or not.
+	if code, _ := w.post(t, "/console/act", resolveForm(rec, "resolve_failed"), http.Header{"Sec-Fetch-Site": {"cross-site"}}); code != http.StatusForbidden {
+		t.Errorf("a cross-site action = %d, want 403", code)
+	}
+	if code, _ := w.post(t, "/console/act", resolveForm(rec, "resolve_failed"), http.Header{"Origin": {"http://evil.example"}, "Sec-Fetch-Site": {""}}); code != http.StatusForbidden {
+		t.Errorf("an action from another origin = %d, want 403", code)
+	}
+	// Nothing changes on GET.
+	if code, _ := w.page(t, "/console/act?"+resolveForm(rec, "resolve_failed").Encode()); code != http.StatusMethodNotAllowed {
+		t.Errorf("GET /console/act = %d, want 405", code)
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Fatalf("after refused actions the record is %s, want unknown", got.State)
+	}
+	if entries := w.entries(t); len(entries) != 0 {
+		t.Errorf("refused actions were audited as done: %+v", entries)
+	}
+}
+
+func (w *world) entries(t *testing.T) []string {
+	t.Helper()
+	b, err := os.ReadFile(w.audit)
+	if os.IsNotExist(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Split(strings.TrimSpace(string(b)), "\n")
+}
+
+// TestResolveCompleted: the confirmation page changes nothing; the action
+// with the token settles the record, which then replays the given outcome,
+// and the audit log says who did what, before and after.
+func TestResolveCompleted(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	rec := w.unknown(t, "u1")
+	form := resolveForm(rec, "resolve_completed")
+	form.Del("token")
+	code, body := w.post(t, "/console/confirm", form, nil)
+	if code != http.StatusOK || !strings.Contains(body, "Resolve as completed") || !strings.Contains(body, `name="token"`) {
+		t.Fatalf("confirm = %d, want the confirmation page asking for the token:\n%s", code, body)
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Fatalf("the confirmation page changed the record to %s", got.State)
+	}
+	code, _ = w.post(t, "/console/act", resolveForm(rec, "resolve_completed"), nil)
+	if code != http.StatusSeeOther {
+		t.Fatalf("act = %d, want 303 to the record", code)
+	}
+	got := w.get(t, "u1")
+	if got.State != idem.StateCompleted || got.Response == nil || got.Response.Status != 201 || string(got.Response.Body) != `{"id":"ch_1"}` ||
+		got.Response.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("after resolve the record is %+v, want completed with 201 and the body", got)
+	}
+	out, err := w.eng.Begin(context.Background(), idem.BeginParams{Key: "u1", Fingerprint: rec.Fingerprint})
+	if err != nil || out.Decision != idem.Replay {
+		t.Errorf("a retry after resolve: %v, %v; want a replay", out.Decision, err)
+	}
+	entries := w.entries(t)
+	if len(entries) != 1 {
+		t.Fatalf("audit log holds %d entries, want 1: %q", len(entries), entries)
+	}
+	e := entries[0]
+	for _, want := range []string{`"who":"ana"`, `"action":"resolve_completed"`, `"before":"unknown, fence 1"`, `"after":"completed, fence 1, status 201, 13 B body"`, `"key_hash":"` + idem.KeyHash("", "u1") + `"`} {
+		if !strings.Contains(e, want) {
+			t.Errorf("audit entry lacks %s: %s", want, e)
+		}
+	}
+	if strings.Contains(e, `"u1"`) || strings.Contains(e, token) {
+		t.Errorf("the audit entry holds the key or the token: %s", e)
+	}
+	if _, body := w.page(t, "/console/audit"); !strings.Contains(body, "resolve_completed") || !strings.Contains(body, "ana") {
+		t.Errorf("the audit page does not show the action:\n%s", body)
+	}
+	// The log survives a restart of the console.
+	a, err := console.OpenAudit(w.audit)
+	if err != nil || len(a.Recent()) != 1 || a.Recent()[0].Who != "ana" {
+		t.Errorf("reopened audit log: %+v, %v", a.Recent(), err)
+	}
+}
+
+// TestActionOnAChangedRecordRefused: an operator confirms what they saw;
+// if the record moved on meanwhile, nothing is done.
+func TestActionOnAChangedRecordRefused(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	rec := w.unknown(t, "u1")
+	form := resolveForm(rec, "resolve_failed")
+	form.Set("fence", "7")
+	if code, body := w.post(t, "/console/act", form, nil); code != http.StatusConflict || !strings.Contains(body, "changed since you looked") {
+		t.Errorf("act on a changed record = %d, want 409:\n%s", code, body)
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Errorf("the record is %s, want unknown", got.State)
+	}
+	if e := w.entries(t); len(e) != 1 || !strings.Contains(e[0], `"error":"the record changed`) {
+		t.Errorf("audit = %q, want the refused attempt with its error", e)
+	}
+}
+
+func TestReleaseStaleLease(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	out, err := w.eng.Begin(context.Background(), idem.BeginParams{Key: "run", Fingerprint: "v1.a.b.c.d"})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	rec := w.get(t, "run")
+	if code, body := w.post(t, "/console/act", resolveForm(rec, "release"), nil); code != http.StatusConflict || !strings.Contains(body, "lease") {
+		t.Errorf("release of a running lease = %d, want 409:\n%s", code, body)
+	}
+	if _, body := w.page(t, "/console/record?key=run"); strings.Contains(body, "Release…") {
+		t.Errorf("a running lease is offered for release:\n%s", body)
+	}
+	w.clock.Advance(time.Minute)
+	if _, body := w.page(t, "/console/record?key=run"); !strings.Contains(body, "Release…") {
+		t.Errorf("a stale lease is not offered for release:\n%s", body)
+	}
+	if code, _ := w.post(t, "/console/act", resolveForm(rec, "release"), nil); code != http.StatusSeeOther {
+		t.Fatalf("release of a stale lease = %d, want 303", code)
+	}
+	if got := w.get(t, "run"); got.State != idem.StateFailed {
+		t.Errorf("after release the record is %s, want failed (released)", got.State)
+	}
+}
+
+func TestRecordsFilter(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	w.completed(t, "order-1", "a")
+	w.completed(t, "order-2", "b")
+	w.unknown(t, "refund-1")
+	_, body := w.page(t, "/console/records?state=completed&key=order-")
+	if !strings.Contains(body, ">order-1<") || !strings.Contains(body, ">order-2<") || strings.Contains(body, "refund-1") {
+		t.Errorf("completed order-*: want order-1 and order-2 only:\n%s", body)
+	}
+	_, body = w.page(t, "/console/records?state=stale")
+	if !strings.Contains(body, "refund-1") || strings.Contains(body, "order-1") {
+		t.Errorf("stale: want refund-1 only:\n%s", body)
+	}
+	if code, body := w.page(t, "/console/records?since=yesterday"); code != http.StatusBadRequest || !strings.Contains(body, "RFC 3339") {
+		t.Errorf("a bad time = %d, want 400 saying what a time is:\n%s", code, body)
+	}
+	if code, _ := w.page(t, "/console/records?state=done"); code != http.StatusBadRequest {
+		t.Errorf("a bad state = %d, want 400", code)
+	}
+}
+
+func TestMask(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token, Mask: true})
+	w.completed(t, "card-4242-secret", "pan=4242424242424242")
+	_, list := w.page(t, "/console/records")
+	_, rec := w.page(t, "/console/record?key=card-4242-secret")
+	for _, body := range []string{list, rec} {
+		if strings.Contains(body, ">card-4242-secret<") || strings.Contains(body, "4242424242424242") {
+			t.Errorf("masked console shows the key or the body:\n%s", body)
+		}
+	}
+	if !strings.Contains(rec, "(masked: 20 B)") {
+		t.Errorf("masked body not said to be masked:\n%s", rec)
+	}
+}
+
+func TestOverview(t *testing.T) {
+	n := 0.0
+	w := newWorld(t, console.Config{Token: token, Counts: func() console.Counts {
+		n++
+		return console.Counts{Requests: map[string]float64{"executed": n}, StoreCalls: 2 * n}
+	}})
+	w.completed(t, "a", "x")
+	w.unknown(t, "b")
+	code, body := w.page(t, "/console/")
+	if code != http.StatusOK || !strings.Contains(body, `id="total-executed" data-total="executed">1<`) || !strings.Contains(body, `id="records-unknown">1<`) {
+		t.Errorf("overview = %d, want executed 1 and one unknown record:\n%s", code, body)
+	}
+	_, js := w.page(t, "/console/api/overview")
+	if !strings.Contains(js, `"executed":2`) || !strings.Contains(js, `"stale":1`) || !strings.Contains(js, `"completed":1`) {
+		t.Errorf("overview JSON = %s", js)
+	}
+}
+
+func TestPurge(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	w.completed(t, "old", "x")
+	w.clock.Advance(idem.DefaultRetention + time.Hour)
+	form := url.Values{"action": {"purge"}, "before": {"1m"}, "who": {"ana"}, "token": {token}}
+	if code, _ := w.post(t, "/console/act", form, nil); code != http.StatusSeeOther {
+		t.Fatalf("purge = %d, want 303", code)
+	}
+	if e := w.entries(t); len(e) != 1 || !strings.Contains(e[0], `"after":"1 purged"`) {
+		t.Errorf("audit = %q, want 1 purged", e)
+	}
+}
