@@ -185,8 +185,8 @@ var outcomes = []string{httpidem.ObservedExecuted, httpidem.ObservedReplayed, ht
 // tally is the records counted by state, and the stale ones.
 type tally struct {
 	States      map[string]int `json:"states"`
-	Stale       int                `json:"stale"`
-	OldestStale time.Time          `json:"oldest_stale,omitzero"`
+	Stale       int            `json:"stale"`
+	OldestStale time.Time      `json:"oldest_stale,omitzero"`
 	// Capped is true when a count stopped at countCap (or at the time
 	// bound): the number is a floor.
 	Capped bool   `json:"capped"`
