@@ -196,11 +196,16 @@ type tally struct {
 // countCap bounds each count, so the overview stays cheap on a large table.
 const countCap = 10000
 
-// count counts the records by state, at most every few seconds.
+// recount is how long the records' counts are kept: listing costs the
+// store reads (on DynamoDB, read capacity), so an open overview recounts
+// at most this often; an action recounts at once.
+const recount = 10 * time.Second
+
+// count counts the records by state, at most every recount.
 func (c *Console) count(ctx context.Context) tally {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if time.Since(c.tallied) < 3*time.Second {
+	if time.Since(c.tallied) < recount {
 		return c.tally
 	}
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -622,6 +627,9 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 		}
 		back = Prefix + "record" + query("scope", a.Scope, "key", a.Key, "done", a.Name)
 	}
+	c.mu.Lock()
+	c.tallied = time.Time{} // the counts changed
+	c.mu.Unlock()
 	c.cfg.Logger.Info("console: action", "action", e.Action, "who", e.Who, "from", e.From, "scope", e.Scope, "key_hash", e.KeyHash,
 		"before", e.Before, "after", e.After, "err", e.Error)
 	if err := c.cfg.Audit.Write(e); err != nil {

@@ -226,6 +226,9 @@ func (w *world) entries(t *testing.T) []string {
 func TestResolveCompleted(t *testing.T) {
 	w := newWorld(t, console.Config{Token: token})
 	rec := w.unknown(t, "u1")
+	if _, js := w.page(t, "/console/api/overview"); !strings.Contains(js, `"unknown":1`) {
+		t.Fatalf("overview before = %s, want one unknown record", js)
+	}
 	form := resolveForm(rec, "resolve_completed")
 	form.Del("token")
 	code, body := w.post(t, "/console/confirm", form, nil)
@@ -243,6 +246,9 @@ func TestResolveCompleted(t *testing.T) {
 	if got.State != idem.StateCompleted || got.Response == nil || got.Response.Status != 201 || string(got.Response.Body) != `{"id":"ch_1"}` ||
 		got.Response.Header.Get("Content-Type") != "application/json" {
 		t.Fatalf("after resolve the record is %+v, want completed with 201 and the body", got)
+	}
+	if _, js := w.page(t, "/console/api/overview"); !strings.Contains(js, `"unknown":0`) || !strings.Contains(js, `"completed":1`) {
+		t.Errorf("overview after the action = %s, want it counted again: no unknown, one completed", js)
 	}
 	out, err := w.eng.Begin(context.Background(), idem.BeginParams{Key: "u1", Fingerprint: rec.Fingerprint})
 	if err != nil || out.Decision != idem.Replay {
