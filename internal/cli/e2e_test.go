@@ -281,8 +281,15 @@ func TestVerifyPassesAgainstTheProxy(t *testing.T) {
 				server = testkit.Server(t, env)
 			}
 			dsn := makeDSN(server)
-			_, url, admin := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key", "--admin-listen", "127.0.0.1:0")
+			_, url, admin := startProxy(t, "--upstream", upstream.URL, "--store", dsn, "--require-key", "--admin-listen", "127.0.0.1:0", "--console-read-only")
 			verifyOK(t, "--url", url+"/v1/charges", "--require-key", "--credential", "Bearer a", "--credential", "Bearer b")
+			// The console lists what verify left, on this store.
+			if code, page := get(t, admin+"/console/records?state=completed"); code != http.StatusOK || !strings.Contains(page, `<span class="state state-completed">completed</span>`) {
+				t.Errorf("console records: %d, want completed records listed:\n%s", code, page)
+			}
+			if code, js := get(t, admin+"/console/api/overview"); code != http.StatusOK || strings.Contains(js, `"completed":0`) || strings.Contains(js, `"error"`) {
+				t.Errorf("console overview: %d %s; want completed records counted", code, js)
+			}
 			resp, err := http.Get(admin + "/metrics")
 			if err != nil {
 				t.Fatal(err)
