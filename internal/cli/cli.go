@@ -171,11 +171,7 @@ func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, token string, readOn
 	if err != nil {
 		return nil, err
 	}
-	counts := func() console.Counts {
-		req, calls, secs, failed := tel.Counts()
-		return console.Counts{Requests: req, StoreCalls: calls, StoreSeconds: secs, StoreErrors: failed}
-	}
-	return console.New(console.Config{Engine: eng, Counts: counts, Token: token, ReadOnly: readOnly, Mask: mask, Audit: audit, Logger: log})
+	return console.New(console.Config{Engine: eng, Counts: tel.Counts, Token: token, ReadOnly: readOnly, Mask: mask, Audit: audit, Logger: log})
 }
 
 // healthEvery is how often a server looks at its store's health.

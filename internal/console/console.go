@@ -34,27 +34,16 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
 )
-
-// Counts are the process's counters since it started, as /metrics has them.
-type Counts struct {
-	// Requests counts covered requests by outcome (httpidem.Observed*).
-	Requests map[string]float64 `json:"requests"`
-	// StoreCalls is the number of store operations, StoreSeconds their
-	// total duration and StoreErrors those that failed (other than a lost
-	// lease or a missing record, which are answers).
-	StoreCalls   float64 `json:"store_calls"`
-	StoreSeconds float64 `json:"store_seconds"`
-	StoreErrors  float64 `json:"store_errors"`
-}
 
 // Config is what the console shows and acts on.
 type Config struct {
 	// Engine is the engine whose store the console reads and settles. Required.
 	Engine *idem.Engine
 	// Counts reads the process's counters; nil shows no rates.
-	Counts func() Counts
+	Counts func() telemetry.Counts
 	// Token is the admin token every action must carry. Without it the
 	// console is off, unless ReadOnly.
 	Token string
@@ -275,10 +264,10 @@ func countPages(page func(cursor string) (idem.ScanResult, error), each func(ide
 
 // overviewData is the overview page's, and its JSON's, content.
 type overviewData struct {
-	At       time.Time `json:"at"`
-	Outcomes []string  `json:"outcomes"`
-	Counts   *Counts   `json:"counts,omitempty"`
-	Records  tally     `json:"records"`
+	At       time.Time         `json:"at"`
+	Outcomes []string          `json:"outcomes"`
+	Counts   *telemetry.Counts `json:"counts,omitempty"`
+	Records  tally             `json:"records"`
 	// OldestStaleAge is how long the oldest stale record has been stale.
 	OldestStaleAge string `json:"oldest_stale_age,omitempty"`
 }

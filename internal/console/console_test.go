@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/console"
+	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -358,14 +359,16 @@ func TestMask(t *testing.T) {
 
 func TestOverview(t *testing.T) {
 	n := 0.0
-	w := newWorld(t, console.Config{Token: token, Counts: func() console.Counts {
+	w := newWorld(t, console.Config{Token: token, Counts: func() telemetry.Counts {
 		n++
-		return console.Counts{Requests: map[string]float64{"executed": n}, StoreCalls: 2 * n}
+		return telemetry.Counts{Requests: map[string]float64{"executed": n}, StoreCalls: 2 * n,
+			Reconciled: map[string]float64{"completed": 3}, LastPass: map[string]float64{"stale": 1}}
 	}})
 	w.completed(t, "a", "x")
 	w.unknown(t, "b")
 	code, body := w.page(t, "/console/")
-	if code != http.StatusOK || !strings.Contains(body, `id="total-executed" data-total="executed">1<`) || !strings.Contains(body, `id="records-unknown">1<`) {
+	if code != http.StatusOK || !strings.Contains(body, `id="total-executed" data-total="executed">1<`) || !strings.Contains(body, `id="records-unknown">1<`) ||
+		!strings.Contains(body, `id="reconciled-completed">3<`) || !strings.Contains(body, `id="pass-stale">1<`) {
 		t.Errorf("overview = %d, want executed 1 and one unknown record:\n%s", code, body)
 	}
 	_, js := w.page(t, "/console/api/overview")

@@ -106,34 +106,58 @@ func (t *Telemetry) Metrics() http.Handler {
 	return promhttp.HandlerFor(t.registry, promhttp.HandlerOpts{})
 }
 
-// Counts reads the request and store counters, as /metrics serves them:
-// requests by outcome, and the store operations, their total time and the
-// number that failed (unavailable or error).
-func (t *Telemetry) Counts() (requests map[string]float64, storeCalls, storeSeconds, storeFailed float64) {
-	requests = map[string]float64{}
+// Counts are the counters of a process since it started, as /metrics
+// serves them, for the console.
+type Counts struct {
+	// Requests counts covered requests by outcome (httpidem.Observed*).
+	Requests map[string]float64 `json:"requests"`
+	// StoreCalls is the number of store operations, StoreSeconds their
+	// total duration and StoreErrors those that failed (unavailable or
+	// error; a lost lease or a missing record is an answer).
+	StoreCalls   float64 `json:"store_calls"`
+	StoreSeconds float64 `json:"store_seconds"`
+	StoreErrors  float64 `json:"store_errors"`
+	// Reconciled counts the records the reconciler settled, by outcome
+	// (completed, failed); LastPass is what its last pass saw, by kind
+	// (stale, waiting, unknown). Empty where no reconciler runs.
+	Reconciled map[string]float64 `json:"reconciled,omitempty"`
+	LastPass   map[string]float64 `json:"last_pass,omitempty"`
+}
+
+// Counts reads the counters.
+func (t *Telemetry) Counts() Counts {
+	c := Counts{Requests: map[string]float64{}}
 	families, err := t.registry.Gather()
 	if err != nil {
-		return requests, 0, 0, 0
+		return c
+	}
+	add := func(m *map[string]float64, k string, v float64) {
+		if *m == nil {
+			*m = map[string]float64{}
+		}
+		(*m)[k] += v
 	}
 	for _, f := range families {
-		switch f.GetName() {
-		case "idem_requests_total":
-			for _, m := range f.GetMetric() {
-				requests[label(m, "outcome")] += m.GetCounter().GetValue()
-			}
-		case "idem_store_operation_duration_seconds":
-			for _, m := range f.GetMetric() {
+		for _, m := range f.GetMetric() {
+			switch f.GetName() {
+			case "idem_requests_total":
+				c.Requests[label(m, "outcome")] += m.GetCounter().GetValue()
+			case "idem_store_operation_duration_seconds":
 				h := m.GetHistogram()
 				n := float64(h.GetSampleCount())
-				storeCalls += n
-				storeSeconds += h.GetSampleSum()
+				c.StoreCalls += n
+				c.StoreSeconds += h.GetSampleSum()
 				if r := label(m, "result"); r == "unavailable" || r == "error" {
-					storeFailed += n
+					c.StoreErrors += n
 				}
+			case "idem_reconciler_settled_total":
+				add(&c.Reconciled, label(m, "outcome"), m.GetCounter().GetValue())
+			case "idem_reconciler_records":
+				add(&c.LastPass, label(m, "kind"), m.GetGauge().GetValue())
 			}
 		}
 	}
-	return requests, storeCalls, storeSeconds, storeFailed
+	return c
 }
 
 func label(m *dto.Metric, name string) string {

@@ -85,9 +85,10 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 	// The console reads the same counters.
-	req, calls, _, failed := tel.Counts()
-	if req["executed"] != 1 || req["replayed"] != 1 || req["mismatch"] != 1 || calls != 5 || failed != 0 {
-		t.Errorf("Counts() = %v, %v calls, %v failed; want 1 executed, replayed, mismatch, and 5 store calls (3 acquires, a finish, a renew), none failed", req, calls, failed)
+	c := tel.Counts()
+	if req := c.Requests; req["executed"] != 1 || req["replayed"] != 1 || req["mismatch"] != 1 || c.StoreCalls != 5 || c.StoreErrors != 0 ||
+		c.Reconciled["completed"] != 4 || c.LastPass["unknown"] != 2 {
+		t.Errorf("Counts() = %+v; want 1 executed, replayed, mismatch, 5 store calls (3 acquires, a finish, a renew), none failed, 4 reconciled as completed, 2 unknown in the last pass", c)
 	}
 }
 

@@ -44,6 +44,12 @@ function live() {
             set("rate-" + o, secs > 0 ? (((req[o] || 0) - prev) / secs).toFixed(1) : "-");
           }
         }
+        for (const o of ["completed", "failed"]) {
+          set("reconciled-" + o, String((d.counts.reconciled || {})[o] || 0));
+        }
+        for (const k of ["stale", "waiting", "unknown"]) {
+          set("pass-" + k, String((d.counts.last_pass || {})[k] || 0));
+        }
         set("store-calls", String(d.counts.store_calls));
         set("store-errors", String(d.counts.store_errors));
         if (last) {
