@@ -16,19 +16,26 @@ package console
 import (
 	"cmp"
 	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/rand"
+	"crypto/sha256"
 	"crypto/subtle"
 	"embed"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"html/template"
-	"io/fs"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -64,9 +71,12 @@ type Console struct {
 	mux  *http.ServeMux
 	page *template.Template
 
-	mu      sync.Mutex
+	seal cipher.AEAD // seals record references when keys are masked
+
+	mu      sync.Mutex // held while counting
 	tally   tally
 	tallied time.Time
+	changed atomic.Bool // an action ran: count again
 }
 
 // Prefix is the path the console is served under.
@@ -87,20 +97,30 @@ func New(cfg Config) (*Console, error) {
 		cfg.Logger = slog.Default()
 	}
 	c := &Console{cfg: cfg, mux: http.NewServeMux()}
+	secret := make([]byte, 32)
+	rand.Read(secret)
+	block, _ := aes.NewCipher(secret)
+	c.seal, _ = cipher.NewGCM(block)
 	var err error
 	c.page, err = template.New("").Funcs(template.FuncMap{
-		"time":  func(t time.Time) string { return formatTime(t) },
-		"ago":   func(t time.Time) string { return c.ago(t) },
+		"time":  formatTime,
+		"ago":   c.ago,
 		"key":   c.showKey,
-		"query": func(kv ...string) string { return query(kv...) },
+		"ref":   c.ref,
+		"query": query,
 		"size":  formatSize,
+		"count": func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) },
 		"list":  func(s ...string) []string { return s },
+		"link":  c.link,
 	}).ParseFS(assets, "assets/*.html")
 	if err != nil {
 		return nil, err
 	}
-	static, _ := fs.Sub(assets, "assets")
-	c.mux.Handle("GET /console/assets/", http.StripPrefix("/console/assets/", http.FileServerFS(static)))
+	for _, f := range []string{"console.js", "console.css"} {
+		c.mux.HandleFunc("GET /console/assets/"+f, func(w http.ResponseWriter, r *http.Request) {
+			http.ServeFileFS(w, r, assets, "assets/"+f)
+		})
+	}
 	c.mux.HandleFunc("GET /console/{$}", c.overview)
 	c.mux.HandleFunc("GET /console/api/overview", c.overviewJSON)
 	c.mux.HandleFunc("GET /console/records", c.records)
@@ -132,11 +152,27 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("Referrer-Policy", "same-origin")
 	h.Set("X-Frame-Options", "DENY")
 	h.Set("Cache-Control", "no-store")
+	if !localHost(r.Host) {
+		http.Error(w, "The console answers only to an IP address or localhost (the Host header names "+
+			"something else: a DNS rebinding, or a name the console does not know).", http.StatusMisdirectedRequest)
+		return
+	}
 	if c.Mode() == "off" && !strings.HasPrefix(r.URL.Path, "/console/assets/") {
 		c.render(w, http.StatusForbidden, "off", nil)
 		return
 	}
 	c.mux.ServeHTTP(w, r)
+}
+
+// localHost reports whether host (a Host header) is an IP address or
+// localhost: a page of another site that rebinds its name to the console's
+// address still sends its own name, and is refused.
+func localHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	return net.ParseIP(host) != nil || strings.EqualFold(host, "localhost")
 }
 
 // view is what every page gets.
@@ -148,11 +184,16 @@ type view struct {
 	Data       any
 }
 
+// titles are the pages' titles, and navAs the menu entry a page belongs to
+// when it is not one.
+var (
+	titles = map[string]string{"overview": "Overview", "records": "Records", "record": "Record", "audit": "Audit log",
+		"confirm": "Confirm", "problem": "Refused", "off": "Console off"}
+	navAs = map[string]string{"record": "records", "confirm": "records"}
+)
+
 func (c *Console) render(w http.ResponseWriter, status int, name string, data any) {
-	titles := map[string]string{"overview": "Overview", "records": "Records", "record": "Record", "audit": "Audit log",
-		"confirm": "Confirm", "done": "Done", "problem": "Refused", "off": "Console off"}
-	nav := map[string]string{"record": "records", "confirm": "records", "done": "records"}[name]
-	v := view{Title: titles[name], Nav: cmp.Or(nav, name), Mode: c.Mode(), AuditPath: c.cfg.Audit.Path(), Masked: c.cfg.Mask, Data: data}
+	v := view{Title: titles[name], Nav: cmp.Or(navAs[name], name), Mode: c.Mode(), AuditPath: c.cfg.Audit.Path(), Masked: c.cfg.Mask, Data: data}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.WriteHeader(status)
 	if err := c.page.ExecuteTemplate(w, name+".html", v); err != nil {
@@ -194,10 +235,11 @@ const recount = 10 * time.Second
 func (c *Console) count(ctx context.Context) tally {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if time.Since(c.tallied) < recount {
+	if !c.changed.Swap(false) && time.Since(c.tallied) < recount {
 		return c.tally
 	}
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	// The counts serve every viewer: a viewer who goes away does not cut them short.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
 	defer cancel()
 	t := tally{States: map[string]int{}}
 	eng := c.cfg.Engine
@@ -399,29 +441,41 @@ var doneWords = map[string]string{"resolve_completed": "resolved as completed", 
 
 // recordData is the record page's content.
 type recordData struct {
-	R            idem.Record
-	Now          time.Time
-	Stale        bool
-	Fingerprint  []part
-	Downstream   []part
-	Body         string // a preview, as text
-	BodySize     int
-	BodyType     string
-	BodyCut      bool
-	Resolvable   bool // UNKNOWN: may be resolved
-	Releasable   bool // IN_PROGRESS past its lease: may be released
-	Message      string
-	ReplayStatus int
+	R           idem.Record
+	Now         time.Time
+	Stale       bool
+	Fingerprint []part
+	Downstream  []part
+	Checkpoints []checkpoint
+	Headers     []part // the stored response's
+	Body        string // a preview, as text
+	BodySize    int
+	BodyType    string
+	BodyCut     bool
+	Resolvable  bool // UNKNOWN: may be resolved
+	Releasable  bool // IN_PROGRESS past its lease: may be released
+	Message     string
 }
 
 type part struct{ Name, Value string }
+
+type checkpoint struct {
+	Name string
+	At   time.Time
+	Data string
+}
 
 // bodyPreview is how much of a stored body the record page shows.
 const bodyPreview = 8 << 10
 
 func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	rec, err := c.cfg.Engine.Get(r.Context(), q.Get("scope"), q.Get("key"))
+	scope, key, ok := c.recordOf(q)
+	if !ok {
+		c.problem(w, http.StatusBadRequest, "This link does not name a record (or names it for a console that has restarted since): open the record from the list.")
+		return
+	}
+	rec, err := c.cfg.Engine.Get(r.Context(), scope, key)
 	switch {
 	case errors.Is(err, idem.ErrNotFound):
 		c.problem(w, http.StatusNotFound, "There is no record of this key in this scope: it may have expired, or been purged.")
@@ -443,20 +497,37 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 	}
 	for _, cp := range rec.Checkpoints {
 		d.Downstream = append(d.Downstream, part{cp.Name, rec.DownstreamKey(cp.Name)})
+		data := string(cp.Data)
+		if c.cfg.Mask {
+			data = fmt.Sprintf("(masked: %s)", formatSize(len(cp.Data)))
+		}
+		d.Checkpoints = append(d.Checkpoints, checkpoint{cp.Name, cp.At, data})
 	}
 	if res := rec.Response; res != nil {
 		d.BodySize, d.BodyType = len(res.Body), res.Header.Get("Content-Type")
+		for name, vs := range res.Header {
+			for _, v := range vs {
+				if c.cfg.Mask {
+					v = "(masked)"
+				}
+				d.Headers = append(d.Headers, part{name, v})
+			}
+		}
+		slices.SortStableFunc(d.Headers, func(a, b part) int { return strings.Compare(a.Name, b.Name) })
 		body := res.Body
 		if len(body) > bodyPreview {
 			body, d.BodyCut = body[:bodyPreview], true
+			for i := 0; i < utf8.UTFMax && !utf8.Valid(body); i++ {
+				body = body[:len(body)-1] // a character cut in two
+			}
 		}
 		switch {
 		case c.cfg.Mask:
-			d.Body = fmt.Sprintf("(masked: %s)", formatSize(len(res.Body)))
-		case !utf8.Valid(body) && !d.BodyCut:
-			d.Body = fmt.Sprintf("(binary: %s)", formatSize(len(res.Body)))
+			d.Body, d.BodyCut, d.BodyType = fmt.Sprintf("(masked: %s)", formatSize(len(res.Body))), false, ""
+		case !utf8.Valid(body):
+			d.Body, d.BodyCut = fmt.Sprintf("(binary: %s)", formatSize(len(res.Body))), false
 		default:
-			d.Body = strings.ToValidUTF8(string(body), "\uFFFD")
+			d.Body = string(body)
 		}
 	}
 	d.Resolvable = rec.State == idem.StateUnknown
@@ -490,8 +561,7 @@ func (c *Console) readAction(r *http.Request) (action, error) {
 		return action{}, errors.New("the form could not be read")
 	}
 	f := r.PostForm
-	a := action{Name: f.Get("action"), Scope: f.Get("scope"), Key: f.Get("key"), State: f.Get("state"),
-		Headers: f.Get("headers"), Body: f.Get("body"), Before: f.Get("before")}
+	a := action{Name: f.Get("action"), State: f.Get("state"), Headers: f.Get("headers"), Body: f.Get("body"), Before: f.Get("before")}
 	switch a.Name {
 	case "resolve_completed":
 		var err error
@@ -511,11 +581,20 @@ func (c *Console) readAction(r *http.Request) (action, error) {
 		if err != nil || t.IsZero() {
 			return a, fmt.Errorf("purge needs a time: %v", cmp.Or(err, errors.New("none given")))
 		}
-		a.PurgeBefore = t
+		if t.After(c.cfg.Engine.Now()) {
+			return a, errors.New("purge takes a time in the past: records that expire later are still replayed")
+		}
+		// The time confirmed is the time purged: a duration ago is read
+		// once, on the confirmation page.
+		a.PurgeBefore, a.Before = t, t.Format(time.RFC3339Nano)
 		a.Label = "Purge the settled records that expired before " + formatTime(t) + ". Records still replayed are never purged."
 		return a, nil
 	default:
 		return a, errors.New("there is no such action")
+	}
+	var ok bool
+	if a.Scope, a.Key, ok = c.recordOf(f); !ok {
+		return a, errors.New("the form does not name a record (or names it for a console that has restarted since): open the record again")
 	}
 	var err error
 	if a.Fence, err = strconv.ParseInt(f.Get("fence"), 10, 64); err != nil {
@@ -550,13 +629,8 @@ type confirmData struct {
 // confirm shows what an action will do, and asks for the token to do it.
 // It changes nothing.
 func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
-	if c.Mode() != "actions" {
-		c.problem(w, http.StatusForbidden, "This console is read-only: it takes no action.")
-		return
-	}
-	a, err := c.readAction(r)
-	if err != nil {
-		c.problem(w, http.StatusBadRequest, err.Error())
+	a, ok := c.checkAction(w, r)
+	if !ok {
 		return
 	}
 	d := confirmData{A: a}
@@ -566,30 +640,45 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 			c.problem(w, http.StatusConflict, "The record could not be read: "+errorText(err))
 			return
 		}
+		if rec.Fence != a.Fence || string(rec.State) != a.State {
+			c.problem(w, http.StatusConflict, "The record changed since you looked at it: open it again.")
+			return
+		}
 		d.Record = &rec
 	}
 	c.render(w, http.StatusOK, "confirm", d)
 }
 
-// act does an action: the token must be there, the request must come from
-// the console's own pages, and the record must be the one the operator saw.
-func (c *Console) act(w http.ResponseWriter, r *http.Request) {
+// checkAction reads an action's form, once the console takes actions and
+// the request comes from its own pages.
+func (c *Console) checkAction(w http.ResponseWriter, r *http.Request) (action, bool) {
 	if c.Mode() != "actions" {
 		c.problem(w, http.StatusForbidden, "This console is read-only: it takes no action.")
-		return
+		return action{}, false
 	}
 	if !sameOrigin(r) {
 		c.problem(w, http.StatusForbidden, "Refused: the action did not come from this console's pages.")
-		return
+		return action{}, false
 	}
 	a, err := c.readAction(r)
 	if err != nil {
 		c.problem(w, http.StatusBadRequest, err.Error())
+		return action{}, false
+	}
+	return a, true
+}
+
+// act does an action: the token must be there, the request must come from
+// the console's own pages, and the record must be the one the operator saw.
+func (c *Console) act(w http.ResponseWriter, r *http.Request) {
+	a, ok := c.checkAction(w, r)
+	if !ok {
 		return
 	}
 	who := strings.TrimSpace(r.PostForm.Get("who"))
-	token := r.PostForm.Get("token")
-	if subtle.ConstantTimeCompare([]byte(token), []byte(c.cfg.Token)) != 1 {
+	// Digests of equal length: the comparison says nothing of the token's length.
+	got, want := sha256.Sum256([]byte(r.PostForm.Get("token"))), sha256.Sum256([]byte(c.cfg.Token))
+	if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
 		c.cfg.Logger.Warn("console: an action was refused: wrong or missing admin token", "action", a.Name, "from", r.RemoteAddr)
 		c.problem(w, http.StatusForbidden, "Refused: the admin token is missing or wrong. Nothing was changed.")
 		return
@@ -605,20 +694,19 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 		n, err := c.cfg.Engine.Prune(r.Context(), idem.PruneOptions{Before: a.PurgeBefore})
 		e.After = fmt.Sprintf("%d purged", n)
 		if err != nil {
-			e.Error = errorText(err)
+			e.Error = "the purge stopped: " + errorText(err)
 		}
 		back = Prefix + "audit"
 	} else {
+		var err error
 		e.Scope, e.KeyHash = a.Scope, idem.KeyHash(a.Scope, a.Key)
 		e.Before, e.After, err = c.settle(r.Context(), a)
 		if err != nil {
 			e.Error = err.Error()
 		}
-		back = Prefix + "record" + query("scope", a.Scope, "key", a.Key, "done", a.Name)
+		back = Prefix + "record" + c.link(a.Scope, a.Key) + "&done=" + a.Name
 	}
-	c.mu.Lock()
-	c.tallied = time.Time{} // the counts changed
-	c.mu.Unlock()
+	c.changed.Store(true)
 	c.cfg.Logger.Info("console: action", "action", e.Action, "who", e.Who, "from", e.From, "scope", e.Scope, "key_hash", e.KeyHash,
 		"before", e.Before, "after", e.After, "err", e.Error)
 	if err := c.cfg.Audit.Write(e); err != nil {
@@ -626,7 +714,11 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 		c.problem(w, http.StatusInternalServerError, "The action ran ("+cmp.Or(e.Error, e.After)+"), but the audit log could not be written: "+err.Error())
 		return
 	}
-	if e.Error != "" {
+	switch {
+	case e.Error != "" && a.Name == "purge":
+		c.problem(w, http.StatusServiceUnavailable, fmt.Sprintf("%s, after %s.", e.Error, e.After))
+		return
+	case e.Error != "":
 		c.problem(w, http.StatusConflict, "Nothing was changed: "+e.Error)
 		return
 	}
@@ -660,11 +752,13 @@ func (c *Console) settle(ctx context.Context, a action) (before, after string, e
 			return before, before, fmt.Errorf("only a running record's lease is released; this one is %s", rec.State)
 		}
 	}
-	if err := reconcile.Resolve(ctx, eng, rec, res, false); err != nil {
-		if errors.Is(err, idem.ErrLeaseLost) {
-			err = errors.New("the record changed meanwhile (settled or taken over); look again")
-		}
-		return before, before, err
+	switch err := reconcile.Resolve(ctx, eng, rec, res, false); {
+	case errors.Is(err, idem.ErrLeaseLost):
+		return before, before, errors.New("the record changed meanwhile (settled or taken over); look again")
+	case errors.Is(err, reconcile.ErrLeaseRunning), errors.Is(err, reconcile.ErrSettled):
+		return before, before, err // reconcile's own words: the state, or when the lease ends
+	case err != nil:
+		return before, before, errors.New(errorText(err))
 	}
 	if rec, err = eng.Get(ctx, a.Scope, a.Key); err != nil {
 		return before, "settled; reading it back failed: " + errorText(err), nil
@@ -698,6 +792,52 @@ func sameOrigin(r *http.Request) bool {
 		return err == nil && u.Host == r.Host
 	}
 	return true
+}
+
+// ref names a record in a form: its scope and key, opaque; when keys are
+// masked, sealed for this process, so that no key is in a page's source.
+func (c *Console) ref(scope, key string) string {
+	plain := []byte(scope + "\x00" + key)
+	if !c.cfg.Mask {
+		return base64.RawURLEncoding.EncodeToString(plain)
+	}
+	nonce := make([]byte, c.seal.NonceSize())
+	rand.Read(nonce)
+	return base64.RawURLEncoding.EncodeToString(c.seal.Seal(nonce, nonce, plain, nil))
+}
+
+// link is the query that opens a record's page: its scope and key, or,
+// when keys are masked, its sealed ref, so that no key is in a link, the
+// browser's history or an access log.
+func (c *Console) link(scope, key string) string {
+	if c.cfg.Mask {
+		return query("ref", c.ref(scope, key))
+	}
+	return query("scope", scope, "key", key)
+}
+
+// recordOf reads which record a query or form names: a ref, or (unless
+// keys are masked) a scope and a key.
+func (c *Console) recordOf(v url.Values) (scope, key string, ok bool) {
+	ref := v.Get("ref")
+	if ref == "" {
+		return v.Get("scope"), v.Get("key"), !c.cfg.Mask && v.Has("key")
+	}
+	b, err := base64.RawURLEncoding.DecodeString(ref)
+	if err != nil {
+		return "", "", false
+	}
+	if c.cfg.Mask {
+		n := c.seal.NonceSize()
+		if len(b) < n {
+			return "", "", false
+		}
+		if b, err = c.seal.Open(nil, b[:n], b[n:], nil); err != nil {
+			return "", "", false
+		}
+	}
+	scope, key, ok = strings.Cut(string(b), "\x00")
+	return scope, key, ok
 }
 
 // showKey is a key as the console shows it: whole, or masked.

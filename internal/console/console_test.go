@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"html"
 	"io"
 	"log/slog"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -342,18 +344,104 @@ func TestRecordsFilter(t *testing.T) {
 	}
 }
 
+// TestMask: with keys masked, no page holds a key, a body, a checkpoint's
+// data or a header's value, not even in a link or a form; the record is
+// still opened and settled through a reference only this process reads.
 func TestMask(t *testing.T) {
 	w := newWorld(t, console.Config{Token: token, Mask: true})
-	w.completed(t, "card-4242-secret", "pan=4242424242424242")
+	const key = "card-4242-secret"
+	ctx := context.Background()
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: "v1.a.b.c.d"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.eng.Checkpoint(ctx, out.Lease, "authorize", []byte("pay_secret_42")); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.eng.MarkUnknown(ctx, out.Lease); err != nil {
+		t.Fatal(err)
+	}
+	w.completed(t, "other-4242", "pan=4242424242424242")
 	_, list := w.page(t, "/console/records")
-	_, rec := w.page(t, "/console/record?key=card-4242-secret")
-	for _, body := range []string{list, rec} {
-		if strings.Contains(body, ">card-4242-secret<") || strings.Contains(body, "4242424242424242") {
-			t.Errorf("masked console shows the key or the body:\n%s", body)
+	link := regexp.MustCompile(`href="(/console/record\?ref=[^"]+)"`).FindAllStringSubmatch(list, -1)
+	if len(link) != 2 {
+		t.Fatalf("the listing has %d record links, want 2:\n%s", len(link), list)
+	}
+	var pages []string
+	for _, l := range link {
+		code, page := w.page(t, html.UnescapeString(l[1]))
+		if code != http.StatusOK {
+			t.Fatalf("opening %s: %d\n%s", l[1], code, page)
+		}
+		pages = append(pages, page)
+	}
+	for _, body := range append(pages, list) {
+		for _, secret := range []string{key, "other-4242", "4242424242424242", "pay_secret_42", "text/html"} {
+			if strings.Contains(body, secret) {
+				t.Errorf("a masked page holds %q:\n%s", secret, body)
+			}
 		}
 	}
-	if !strings.Contains(rec, "(masked: 20 B)") {
-		t.Errorf("masked body not said to be masked:\n%s", rec)
+	if !strings.Contains(strings.Join(pages, ""), "(masked: 20 B)") {
+		t.Errorf("the masked body is not said to be masked")
+	}
+	if code, _ := w.page(t, "/console/record?key="+key); code != http.StatusBadRequest {
+		t.Errorf("a masked console opened a record by its key: %d", code)
+	}
+	// Settle the unknown one through the form's reference.
+	var unknownPage string
+	for _, p := range pages {
+		if strings.Contains(p, "Resolve as failed") {
+			unknownPage = p
+		}
+	}
+	ref := regexp.MustCompile(`name="ref" value="([^"]+)"`).FindStringSubmatch(unknownPage)
+	if ref == nil {
+		t.Fatalf("no record reference in the form:\n%s", unknownPage)
+	}
+	form := url.Values{"action": {"resolve_failed"}, "ref": {html.UnescapeString(ref[1])}, "fence": {"1"}, "state": {"unknown"}, "who": {"ana"}, "token": {token}}
+	if code, body := w.post(t, "/console/act", form, nil); code != http.StatusSeeOther {
+		t.Fatalf("resolve by reference = %d\n%s", code, body)
+	}
+	if got := w.get(t, key); got.State != idem.StateFailed {
+		t.Errorf("the record is %s, want failed", got.State)
+	}
+}
+
+// TestRebindingRefused: a page of another site that points its own name at
+// the console's address sends that name; the console answers only to an
+// address or localhost.
+func TestRebindingRefused(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	req, _ := http.NewRequest("GET", w.srv.URL+"/console/records", nil)
+	req.Host = "attacker.example:8091"
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusMisdirectedRequest {
+		t.Errorf("Host attacker.example: %d, want 421", res.StatusCode)
+	}
+	req.Host = "localhost:8091"
+	if res, err = http.DefaultClient.Do(req); err != nil || res.StatusCode != http.StatusOK {
+		t.Errorf("Host localhost: %v, %v; want 200", res.StatusCode, err)
+	}
+	res.Body.Close()
+}
+
+// TestConfirmRefusedCrossSite: another site cannot open a filled-in
+// confirmation page for the operator to sign.
+func TestConfirmRefusedCrossSite(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	rec := w.unknown(t, "u1")
+	if code, _ := w.post(t, "/console/confirm", resolveForm(rec, "resolve_completed"), http.Header{"Sec-Fetch-Site": {"cross-site"}}); code != http.StatusForbidden {
+		t.Errorf("a cross-site confirmation page = %d, want 403", code)
+	}
+	form := resolveForm(rec, "resolve_failed")
+	form.Set("fence", "9")
+	if code, _ := w.post(t, "/console/confirm", form, nil); code != http.StatusConflict {
+		t.Errorf("confirming a record that changed = %d, want 409", code)
 	}
 }
 
@@ -361,14 +449,15 @@ func TestOverview(t *testing.T) {
 	n := 0.0
 	w := newWorld(t, console.Config{Token: token, Counts: func() telemetry.Counts {
 		n++
-		return telemetry.Counts{Requests: map[string]float64{"executed": n}, StoreCalls: 2 * n,
+		return telemetry.Counts{Requests: map[string]float64{"executed": n, "replayed": 1234567}, StoreCalls: 2 * n,
 			Reconciled: map[string]float64{"completed": 3}, LastPass: map[string]float64{"stale": 1}}
 	}})
 	w.completed(t, "a", "x")
 	w.unknown(t, "b")
 	code, body := w.page(t, "/console/")
 	if code != http.StatusOK || !strings.Contains(body, `id="total-executed" data-total="executed">1<`) || !strings.Contains(body, `id="records-unknown">1<`) ||
-		!strings.Contains(body, `id="reconciled-completed">3<`) || !strings.Contains(body, `id="pass-stale">1<`) {
+		!strings.Contains(body, `id="reconciled-completed">3<`) || !strings.Contains(body, `id="pass-stale">1<`) ||
+		!strings.Contains(body, `data-total="replayed">1234567<`) {
 		t.Errorf("overview = %d, want executed 1 and one unknown record:\n%s", code, body)
 	}
 	_, js := w.page(t, "/console/api/overview")
@@ -381,7 +470,16 @@ func TestPurge(t *testing.T) {
 	w := newWorld(t, console.Config{Token: token})
 	w.completed(t, "old", "x")
 	w.clock.Advance(idem.DefaultRetention + time.Hour)
-	form := url.Values{"action": {"purge"}, "before": {"1m"}, "who": {"ana"}, "token": {token}}
+	// The time confirmed is the time purged: a duration ago is read once.
+	_, page := w.post(t, "/console/confirm", url.Values{"action": {"purge"}, "before": {"1m"}}, nil)
+	want := w.clock.Now().Add(-time.Minute).UTC().Format(time.RFC3339Nano)
+	if !strings.Contains(page, `name="before" value="`+want+`"`) {
+		t.Fatalf("the confirmation page does not carry the time it shows (%s):\n%s", want, page)
+	}
+	if code, _ := w.post(t, "/console/confirm", url.Values{"action": {"purge"}, "before": {"2099-01-01T00:00:00Z"}}, nil); code != http.StatusBadRequest {
+		t.Errorf("a purge in the future = %d, want 400", code)
+	}
+	form := url.Values{"action": {"purge"}, "before": {want}, "who": {"ana"}, "token": {token}}
 	if code, _ := w.post(t, "/console/act", form, nil); code != http.StatusSeeOther {
 		t.Fatalf("purge = %d, want 303", code)
 	}
