@@ -107,7 +107,6 @@ func New(cfg Config) (*Console, error) {
 		"ago":   c.ago,
 		"key":   c.showKey,
 		"ref":   c.ref,
-		"query": query,
 		"size":  formatSize,
 		"count": func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) },
 		"list":  func(s ...string) []string { return s },
