@@ -21,6 +21,7 @@ import (
 // PostgreSQL WAL bytes and HOT updates.
 type serverStats struct {
 	redis  *redis.Client
+	prefix string // of the run's Redis keys
 	pg     *pgx.Conn
 	schema string
 }
@@ -30,7 +31,7 @@ func newServerStats(dsns map[string]string) *serverStats {
 	ctx := context.Background()
 	if dsn, ok := dsns["redis"]; ok {
 		if opt, err := redis.ParseURL(strings.Split(dsn, "?")[0]); err == nil {
-			s.redis = redis.NewClient(opt)
+			s.redis, s.prefix = redis.NewClient(opt), redisPrefix(dsn)
 		}
 	}
 	if dsn, ok := dsns["postgres"]; ok {
@@ -53,10 +54,24 @@ func newServerStats(dsns map[string]string) *serverStats {
 	return s
 }
 
-// close drops what the run wrote to PostgreSQL (its schema, the raw table)
-// and closes the connections. (Redis's keys expire by themselves.)
+// close drops what the run wrote (its Redis keys; its PostgreSQL schema and
+// the raw table), so that a run leaves the servers as it found them, and
+// closes the connections.
 func (s *serverStats) close() {
 	ctx := context.Background()
+	if s.redis != nil && s.prefix != "" {
+		iter := s.redis.Scan(ctx, 0, s.prefix+"*", 10000).Iterator()
+		var batch []string
+		for iter.Next(ctx) {
+			if batch = append(batch, iter.Val()); len(batch) == 1000 {
+				s.redis.Unlink(ctx, batch...)
+				batch = batch[:0]
+			}
+		}
+		if len(batch) > 0 {
+			s.redis.Unlink(ctx, batch...)
+		}
+	}
 	if s.redis != nil {
 		s.redis.Close()
 	}

@@ -80,16 +80,21 @@ type rawStore interface {
 	get(ctx context.Context, key string) ([]byte, bool, error)
 }
 
-type rawRedis struct{ c *redis.Client }
+// rawRedis keeps its keys under the run's prefix, which the run deletes
+// at its end.
+type rawRedis struct {
+	c      *redis.Client
+	prefix string
+}
 
 func (r rawRedis) claim(ctx context.Context, key string) (bool, error) {
-	return r.c.SetNX(ctx, "raw:"+key, "in_progress", 30*time.Second).Result()
+	return r.c.SetNX(ctx, r.prefix+"raw:"+key, "in_progress", 30*time.Second).Result()
 }
 func (r rawRedis) complete(ctx context.Context, key string, body []byte) error {
-	return r.c.Set(ctx, "raw:"+key, body, 24*time.Hour).Err()
+	return r.c.Set(ctx, r.prefix+"raw:"+key, body, 24*time.Hour).Err()
 }
 func (r rawRedis) get(ctx context.Context, key string) ([]byte, bool, error) {
-	b, err := r.c.Get(ctx, "raw:"+key).Bytes()
+	b, err := r.c.Get(ctx, r.prefix+"raw:"+key).Bytes()
 	if err == redis.Nil {
 		return nil, false, nil
 	}
@@ -161,7 +166,7 @@ func openRaw(ctx context.Context, dsn string) (rawStore, func(), error) {
 		}
 		opt.PoolSize = 64
 		c := redis.NewClient(opt)
-		return rawRedis{c}, func() { c.Close() }, nil
+		return rawRedis{c, redisPrefix(dsn)}, func() { c.Close() }, nil
 	case "postgres":
 		u, _ := url.Parse(dsn)
 		q := u.Query()
@@ -353,4 +358,12 @@ func serve(target, dsn string, delay time.Duration) error {
 	go (&http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}).Serve(ln)
 	bufio.NewReader(os.Stdin).ReadString('\n') // until the parent closes it
 	return nil
+}
+
+// redisPrefix is the idem_prefix of a Redis DSN: the run's keys begin with it.
+func redisPrefix(dsn string) string {
+	if u, err := url.Parse(dsn); err == nil {
+		return u.Query().Get("idem_prefix")
+	}
+	return ""
 }

@@ -216,54 +216,63 @@ type tally struct {
 	States      map[string]int `json:"states"`
 	Stale       int            `json:"stale"`
 	OldestStale time.Time      `json:"oldest_stale,omitzero"`
-	// Capped is true when a count stopped at countCap (or at the time
-	// bound): the number is a floor.
+	// Capped is true when a count stopped at countCap records or after
+	// countTime: the numbers by state are floors. (UNKNOWN and stale
+	// records are counted by the reconciler's scan, which reads only them.)
 	Capped bool   `json:"capped"`
 	Error  string `json:"error,omitempty"`
 }
 
-// countCap bounds each count, so the overview stays cheap on a large table.
-const countCap = 10000
+// countCap and countTime bound each count, so the overview stays cheap on
+// a large store: a count stops between two pages past either.
+const (
+	countCap  = 10000
+	countTime = 3 * time.Second
+)
 
 // recount is how long the records' counts are kept: listing costs the
 // store reads (on DynamoDB, read capacity), so an open overview recounts
 // at most this often; an action recounts at once.
 const recount = 10 * time.Second
 
-// count counts the records by state, at most every recount.
+// count counts the records by state, at most every recount: one listing of
+// every record for the states, and the reconciler's scan for the stale
+// ones (on PostgreSQL, SQLite and Redis it reads an index of them only).
 func (c *Console) count(ctx context.Context) tally {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.changed.Swap(false) && time.Since(c.tallied) < recount {
 		return c.tally
 	}
-	// The counts serve every viewer: a viewer who goes away does not cut them short.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
-	defer cancel()
+	// The counts serve every viewer: a viewer who goes away does not cut
+	// them short (and a store call cut short would count as a failure).
+	ctx = context.WithoutCancel(ctx)
 	t := tally{States: map[string]int{}}
 	eng := c.cfg.Engine
 	now := eng.Now()
-	for _, st := range []idem.State{idem.StateInProgress, idem.StateUnknown, idem.StateCompleted, idem.StateFailed} {
-		n, capped, err := countPages(func(cursor string) (idem.ScanResult, error) {
-			return eng.List(ctx, idem.ListParams{States: []idem.State{st}, Limit: 1000, Cursor: cursor})
-		}, nil)
-		t.States[string(st)], t.Capped = n, t.Capped || capped
-		if err != nil {
-			t.Error = errorText(err)
-			break
-		}
+	_, capped, err := countPages(func(cursor string) (idem.ScanResult, error) {
+		return eng.List(ctx, idem.ListParams{Limit: 1000, Cursor: cursor})
+	}, func(r idem.Record) { t.States[string(r.State)]++ })
+	t.Capped = capped
+	if err != nil {
+		t.Error = errorText(err)
+		c.tally, c.tallied = t, time.Now()
+		return t
 	}
-	if t.Error == "" {
-		n, capped, err := countPages(func(cursor string) (idem.ScanResult, error) { return eng.Scan(ctx, 1000, cursor) }, func(r idem.Record) {
-			since := cmp.Or(staleSince(r, now), r.Updated)
-			if t.OldestStale.IsZero() || since.Before(t.OldestStale) {
-				t.OldestStale = since
-			}
-		})
-		t.Stale, t.Capped = n, t.Capped || capped
-		if err != nil {
-			t.Error = errorText(err)
+	unknown := 0
+	n, capped, err := countPages(func(cursor string) (idem.ScanResult, error) { return eng.Scan(ctx, 1000, cursor) }, func(r idem.Record) {
+		if r.State == idem.StateUnknown {
+			unknown++
 		}
+		since := cmp.Or(staleSince(r, now), r.Updated)
+		if t.OldestStale.IsZero() || since.Before(t.OldestStale) {
+			t.OldestStale = since
+		}
+	})
+	t.Stale, t.Capped = n, t.Capped || capped
+	t.States[string(idem.StateUnknown)] = max(t.States[string(idem.StateUnknown)], unknown)
+	if err != nil {
+		t.Error = errorText(err)
 	}
 	c.tally, c.tallied = t, time.Now()
 	return t
@@ -278,27 +287,24 @@ func staleSince(r idem.Record, now time.Time) time.Time {
 	return time.Time{}
 }
 
-// countPages counts the records of a listing, page by page, up to countCap.
+// countPages counts the records of a listing, page by page, until countCap
+// records or countTime, whichever comes first.
 func countPages(page func(cursor string) (idem.ScanResult, error), each func(idem.Record)) (n int, capped bool, err error) {
+	stop := time.Now().Add(countTime)
 	for cursor := ""; ; {
 		res, err := page(cursor)
-		if errors.Is(err, context.DeadlineExceeded) {
-			return n, true, nil
-		}
 		if err != nil {
 			return n, false, err
 		}
 		for _, r := range res.Records {
-			if each != nil {
-				each(r)
-			}
+			each(r)
 		}
 		n += len(res.Records)
-		if n >= countCap {
-			return n, true, nil
-		}
 		if cursor = res.Cursor; cursor == "" {
 			return n, false, nil
+		}
+		if n >= countCap || time.Now().After(stop) {
+			return n, true, nil
 		}
 	}
 }

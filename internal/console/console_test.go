@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"fmt"
 	"html"
 	"io"
 	"log/slog"
@@ -485,5 +486,28 @@ func TestPurge(t *testing.T) {
 	}
 	if e := w.entries(t); len(e) != 1 || !strings.Contains(e[0], `"after":"1 purged"`) {
 		t.Errorf("audit = %q, want 1 purged", e)
+	}
+}
+
+// TestCountsOnALargeStore: past its bound the count of every record is a
+// floor, said so, but the UNKNOWN records are all counted.
+func TestCountsOnALargeStore(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	ctx := context.Background()
+	for i := range 10050 {
+		out, err := w.eng.Begin(ctx, idem.BeginParams{Key: fmt.Sprintf("a-%05d", i), Fingerprint: "v1.a.b.c.d"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.eng.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, k := range []string{"zz-1", "zz-2", "zz-3"} {
+		w.unknown(t, k)
+	}
+	_, js := w.page(t, "/console/api/overview")
+	if !strings.Contains(js, `"capped":true`) || !strings.Contains(js, `"unknown":3`) || !strings.Contains(js, `"stale":3`) {
+		t.Errorf("overview of 10,053 records = %s; want capped, with the 3 unknown ones counted", js)
 	}
 }
