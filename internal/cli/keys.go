@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/reconcile"
 )
@@ -333,16 +334,11 @@ func keysPurge(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, i
 // parseTime reads flag's value: an RFC 3339 time, or a duration meaning
 // that long ago; "" is the zero time.
 func parseTime(flag, s string, now time.Time) (time.Time, error) {
-	if s == "" {
-		return time.Time{}, nil
+	t, err := console.ParseTime(s, now)
+	if err != nil {
+		return t, fmt.Errorf("%s %w", flag, err)
 	}
-	if t, err := time.Parse(time.RFC3339, s); err == nil {
-		return t, nil
-	}
-	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
-		return now.Add(-d), nil
-	}
-	return time.Time{}, fmt.Errorf("%s %q: want an RFC 3339 time such as 2026-11-01T00:00:00Z or a duration ago such as 72h", flag, s)
+	return t, nil
 }
 
 type responseView struct {

@@ -404,10 +404,10 @@ func (c *Console) list(ctx context.Context, f filter) (idem.ScanResult, error) {
 		p.States = []idem.State{st}
 	}
 	var err error
-	if p.CreatedFrom, err = parseTime(f.Since, now); err != nil {
+	if p.CreatedFrom, err = ParseTime(f.Since, now); err != nil {
 		return idem.ScanResult{}, bad("since: %v", err)
 	}
-	if p.CreatedBefore, err = parseTime(f.Until, now); err != nil {
+	if p.CreatedBefore, err = ParseTime(f.Until, now); err != nil {
 		return idem.ScanResult{}, bad("until: %v", err)
 	}
 	if !p.CreatedFrom.IsZero() && !p.CreatedBefore.IsZero() && !p.CreatedFrom.Before(p.CreatedBefore) {
@@ -420,24 +420,20 @@ func (c *Console) list(ctx context.Context, f filter) (idem.ScanResult, error) {
 	return res, err
 }
 
-// parseTime reads a time as RFC 3339, or as a duration ago ("2h"); "" is
-// the zero time.
-func parseTime(s string, now time.Time) (time.Time, error) {
+// ParseTime reads a time as operators type it, in the console and in
+// `idem keys`: RFC 3339, or a duration ago ("2h"); "" is the zero time.
+func ParseTime(s string, now time.Time) (time.Time, error) {
 	s = strings.TrimSpace(s)
 	if s == "" {
 		return time.Time{}, nil
 	}
-	if d, err := time.ParseDuration(s); err == nil {
-		if d < 0 {
-			return time.Time{}, fmt.Errorf("%q: a duration ago is positive", s)
-		}
+	if t, err := time.Parse(time.RFC3339, s); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
 		return now.Add(-d), nil
 	}
-	t, err := time.Parse(time.RFC3339, s)
-	if err != nil {
-		return time.Time{}, fmt.Errorf("%q: want an RFC 3339 time (2026-12-01T10:00:00Z) or a duration ago (90m)", s)
-	}
-	return t, nil
+	return time.Time{}, fmt.Errorf("%q: want an RFC 3339 time such as 2026-11-01T00:00:00Z or a duration ago such as 72h", s)
 }
 
 // doneWords say what an action did, on the record page it returns to.
@@ -582,7 +578,7 @@ func (c *Console) readAction(r *http.Request) (action, error) {
 	case "release":
 		a.Label = "Release the stale lease: its owner is gone and nothing happened; the next retry runs the request."
 	case "purge":
-		t, err := parseTime(a.Before, c.cfg.Engine.Now())
+		t, err := ParseTime(a.Before, c.cfg.Engine.Now())
 		if err != nil || t.IsZero() {
 			return a, fmt.Errorf("purge needs a time: %v", cmp.Or(err, errors.New("none given")))
 		}
