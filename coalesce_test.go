@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,27 +14,24 @@ import (
 	"github.com/idemhq/idem/store/storetest"
 )
 
-// counted counts the calls an engine makes to its store.
-type counted struct {
-	idem.Store
-	calls atomic.Int64
-}
-
-func (c *counted) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
-	c.calls.Add(1)
-	return c.Store.Acquire(ctx, p)
-}
-func (c *counted) Renew(ctx context.Context, p store.RenewParams) error {
-	c.calls.Add(1)
-	return c.Store.Renew(ctx, p)
-}
-func (c *counted) Finish(ctx context.Context, p store.FinishParams) error {
-	c.calls.Add(1)
-	return c.Store.Finish(ctx, p)
-}
-func (c *counted) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
-	c.calls.Add(1)
-	return c.Store.Get(ctx, p)
+// awaitAll starts n duplicates of charge waiting on eng, and returns once
+// they all wait; outcomes waits for their answers.
+func awaitAll(t *testing.T, eng *idem.Engine, n int) (outcomes func() []idem.Outcome) {
+	t.Helper()
+	outs := make([]idem.Outcome, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[i], _ = eng.Await(context.Background(), charge, 30*time.Second)
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == n })
+	return func() []idem.Outcome {
+		wait.Done(t, 10*time.Second, "the duplicates to get the outcome", wg.Wait)
+		return outs
+	}
 }
 
 var charge = idem.BeginParams{Scope: "tenant", Key: "order-1", Fingerprint: testkit.Fingerprint(`{"amount":100}`)}
@@ -45,7 +41,7 @@ var charge = idem.BeginParams{Scope: "tenant", Key: "order-1", Fingerprint: test
 // without it, until the retention runs out.
 func TestReplaysComeFromTheCache(t *testing.T) {
 	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	s := &counted{Store: memstore.New()}
+	s := &testkit.Counted{Store: memstore.New()}
 	eng, err := idem.New(idem.Config{Store: s, Clock: clock, Retention: time.Hour})
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +54,7 @@ func TestReplaysComeFromTheCache(t *testing.T) {
 	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
 		t.Fatal(err)
 	}
-	before := s.calls.Load() + 1 // the first replay reads the store
+	before := s.Calls() + 1 // the first replay reads the store
 	for range 100 {
 		out, err := eng.Begin(ctx, charge)
 		if err != nil || out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` || out.Record.Response.Header.Get(idem.HeaderExpires) == "" {
@@ -70,7 +66,7 @@ func TestReplaysComeFromTheCache(t *testing.T) {
 	if out, err := eng.Begin(ctx, other); err != nil || out.Decision != idem.Mismatch || len(out.Diff) == 0 {
 		t.Fatalf("another payload: %v %v %v", out.Decision, out.Diff, err)
 	}
-	if n := s.calls.Load() - before; n != 0 {
+	if n := s.Calls() - before; n != 0 {
 		t.Fatalf("100 replays and a mismatch made %d more store calls than the first replay; want none", n)
 	}
 	clock.Advance(time.Hour)
@@ -83,7 +79,7 @@ func TestReplaysComeFromTheCache(t *testing.T) {
 // process wait for it without the store, and all get its outcome; the whole
 // costs the first request's own store calls.
 func TestDuplicatesShareOneWait(t *testing.T) {
-	s := &counted{Store: memstore.New()}
+	s := &testkit.Counted{Store: memstore.New()}
 	eng, err := idem.New(idem.Config{Store: s})
 	if err != nil {
 		t.Fatal(err)
@@ -94,26 +90,16 @@ func TestDuplicatesShareOneWait(t *testing.T) {
 		t.Fatal(first.Decision, err)
 	}
 	const n = 1000
-	outs := make([]idem.Outcome, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			outs[i], _ = eng.Await(ctx, charge, 30*time.Second)
-		}()
-	}
-	wait.Until(t, 10*time.Second, "1,000 duplicates to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == n })
+	outcomes := awaitAll(t, eng, n)
 	if err := eng.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
 		t.Fatal(err)
 	}
-	wait.Done(t, 10*time.Second, "the duplicates to get the outcome", wg.Wait)
-	for i, out := range outs {
+	for i, out := range outcomes() {
 		if out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` {
 			t.Fatalf("duplicate %d: %v", i, out.Decision)
 		}
 	}
-	if calls := s.calls.Load(); calls > 10 {
+	if calls := s.Calls(); calls > 10 {
 		t.Fatalf("one request and 1,000 duplicates made %d store calls; want at most 10", calls)
 	}
 }
@@ -124,7 +110,7 @@ func TestDuplicatesShareOneWait(t *testing.T) {
 func TestDuplicatesOfARemoteRequestShareOnePoll(t *testing.T) {
 	shared := memstore.New()
 	other, _ := idem.New(idem.Config{Store: shared})
-	s := &counted{Store: shared}
+	s := &testkit.Counted{Store: shared}
 	eng, err := idem.New(idem.Config{Store: s, Poll: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -135,39 +121,29 @@ func TestDuplicatesOfARemoteRequestShareOnePoll(t *testing.T) {
 		t.Fatal(first.Decision, err)
 	}
 	const n = 200
-	outs := make([]idem.Outcome, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			outs[i], _ = eng.Await(ctx, charge, 30*time.Second)
-		}()
-	}
-	wait.Until(t, 10*time.Second, "the duplicates to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == n })
-	waited := s.calls.Load()
+	outcomes := awaitAll(t, eng, n)
+	waited := s.Calls()
 	polls := time.Now()
 	if err := other.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
 		t.Fatal(err)
 	}
-	wait.Done(t, 10*time.Second, "the duplicates to get the outcome", wg.Wait)
-	for i, out := range outs {
+	for i, out := range outcomes() {
 		if out.Decision != idem.Replay {
 			t.Fatalf("duplicate %d: %v", i, out.Decision)
 		}
 	}
 	// Every poll interval, one store call for all of them, give or take.
 	budget := int64(2*time.Since(polls)/(20*time.Millisecond)) + 5
-	t.Logf("%d duplicates: %d store calls to start waiting, %d more", n, waited, s.calls.Load()-waited)
-	if waited > n/4 || s.calls.Load()-waited > budget {
+	t.Logf("%d duplicates: %d store calls to start waiting, %d more", n, waited, s.Calls()-waited)
+	if waited > n/4 || s.Calls()-waited > budget {
 		t.Fatalf("%d duplicates made %d store calls to start waiting and %d more; want one poll at a time between them",
-			n, waited, s.calls.Load()-waited)
+			n, waited, s.Calls()-waited)
 	}
 }
 
 // gated is a store whose first Acquire waits for the test.
 type gated struct {
-	*counted
+	*testkit.Counted
 	entered, release chan struct{}
 	once             sync.Once
 }
@@ -179,14 +155,14 @@ func (g *gated) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record
 		close(g.entered)
 		<-g.release
 	}
-	return g.counted.Acquire(ctx, p)
+	return g.Counted.Acquire(ctx, p)
 }
 
 // TestConcurrentRequestsShareOneAcquire: requests for a key that arrive
 // while its acquire is on its way to the store take that acquire's answer:
 // one runs, and the others are told it runs, for one store call.
 func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
-	g := &gated{counted: &counted{Store: memstore.New()}, entered: make(chan struct{}), release: make(chan struct{})}
+	g := &gated{Counted: &testkit.Counted{Store: memstore.New()}, entered: make(chan struct{}), release: make(chan struct{})}
 	eng, err := idem.New(idem.Config{Store: g})
 	if err != nil {
 		t.Fatal(err)
@@ -215,7 +191,7 @@ func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
 	if decisions[idem.Execute] != 1 || decisions[idem.InFlight] != n-1 {
 		t.Fatalf("decisions %v; want one execute and %d in flight", decisions, n-1)
 	}
-	if calls := g.calls.Load(); calls > 10 {
+	if calls := g.Calls(); calls > 10 {
 		t.Fatalf("%d concurrent requests made %d acquires; want them to share the first", n, calls)
 	}
 }

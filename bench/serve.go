@@ -28,7 +28,7 @@ import (
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
-	"github.com/idemhq/idem/store"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 // responseBody is what the handler answers: 220 bytes of JSON.
@@ -47,30 +47,6 @@ func handler(delay time.Duration) http.Handler {
 		w.Write(responseBody)
 	})
 }
-
-// counter counts the calls a target makes to its store.
-type counter struct {
-	idem.Store
-	calls atomic.Int64
-}
-
-func (c *counter) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
-	c.calls.Add(1)
-	return c.Store.Acquire(ctx, p)
-}
-func (c *counter) Renew(ctx context.Context, p store.RenewParams) error {
-	c.calls.Add(1)
-	return c.Store.Renew(ctx, p)
-}
-func (c *counter) Finish(ctx context.Context, p store.FinishParams) error {
-	c.calls.Add(1)
-	return c.Store.Finish(ctx, p)
-}
-func (c *counter) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
-	c.calls.Add(1)
-	return c.Store.Get(ctx, p)
-}
-func (c *counter) Unwrap() idem.Store { return c.Store }
 
 // rawStore is the least a hand-written idempotency check does on a store:
 // claim a key, store the answer, read it back.
@@ -273,8 +249,8 @@ func serve(target, dsn string, delay time.Duration) error {
 		if err != nil {
 			return nil, err
 		}
-		c := &counter{Store: opened.Store}
-		calls = c.calls.Load
+		c := &testkit.Counted{Store: opened.Store}
+		calls = c.Calls
 		return idem.New(idem.Config{Store: c, Logger: quiet})
 	}
 	kind, _, _ := strings.Cut(target, ":")

@@ -28,6 +28,9 @@ const token = "s3cret-token"
 
 var quiet = slog.New(slog.DiscardHandler)
 
+// client bounds every request a test makes: a test fails, it never hangs.
+var client = &http.Client{Timeout: 10 * time.Second}
+
 // world is a console on an engine with a clock of its own.
 type world struct {
 	eng   *idem.Engine
@@ -100,7 +103,7 @@ func (w *world) get(t *testing.T, key string) idem.Record {
 // page GETs path and returns the status and the body.
 func (w *world) page(t *testing.T, path string) (int, string) {
 	t.Helper()
-	res, err := http.Get(w.srv.URL + path)
+	res, err := client.Get(w.srv.URL + path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,8 +123,8 @@ func (w *world) post(t *testing.T, path string, form url.Values, header http.Hea
 	for k, v := range header {
 		req.Header[k] = v
 	}
-	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
-	res, err := client.Do(req)
+	noRedirect := &http.Client{Timeout: client.Timeout, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	res, err := noRedirect.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,7 +165,7 @@ func TestOffWithoutTokenUnlessReadOnly(t *testing.T) {
 func TestStoredScriptIsText(t *testing.T) {
 	w := newWorld(t, console.Config{Token: token})
 	w.completed(t, "xss", `<script>document.title="owned"</script><img src=x onerror=alert(1)>`)
-	res, err := http.Get(w.srv.URL + "/console/record?key=xss")
+	res, err := client.Get(w.srv.URL + "/console/record?key=xss")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -416,7 +419,7 @@ func TestRebindingRefused(t *testing.T) {
 	w := newWorld(t, console.Config{Token: token})
 	req, _ := http.NewRequest("GET", w.srv.URL+"/console/records", nil)
 	req.Host = "attacker.example:8091"
-	res, err := http.DefaultClient.Do(req)
+	res, err := client.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -425,10 +428,13 @@ func TestRebindingRefused(t *testing.T) {
 		t.Errorf("Host attacker.example: %d, want 421", res.StatusCode)
 	}
 	req.Host = "localhost:8091"
-	if res, err = http.DefaultClient.Do(req); err != nil || res.StatusCode != http.StatusOK {
-		t.Errorf("Host localhost: %v, %v; want 200", res.StatusCode, err)
+	if res, err = client.Do(req); err != nil {
+		t.Fatal(err)
 	}
 	res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		t.Errorf("Host localhost: %d; want 200", res.StatusCode)
+	}
 }
 
 // TestConfirmRefusedCrossSite: another site cannot open a filled-in

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,6 +18,40 @@ import (
 )
 
 var ctx = context.Background()
+
+// Counted counts the calls of a request's path (Acquire, Renew, Finish,
+// Get) made to the store it wraps: the tests of the cache and of coalesced
+// waiters, and the load harness, count store calls with it.
+type Counted struct {
+	idem.Store
+	calls atomic.Int64
+}
+
+// Calls is the number of calls made so far.
+func (c *Counted) Calls() int64 { return c.calls.Load() }
+
+// Unwrap returns the counted store.
+func (c *Counted) Unwrap() idem.Store { return c.Store }
+
+func (c *Counted) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	c.calls.Add(1)
+	return c.Store.Acquire(ctx, p)
+}
+
+func (c *Counted) Renew(ctx context.Context, p store.RenewParams) error {
+	c.calls.Add(1)
+	return c.Store.Renew(ctx, p)
+}
+
+func (c *Counted) Finish(ctx context.Context, p store.FinishParams) error {
+	c.calls.Add(1)
+	return c.Store.Finish(ctx, p)
+}
+
+func (c *Counted) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
+	c.calls.Add(1)
+	return c.Store.Get(ctx, p)
+}
 
 // notifyWait bounds every wait for a notification.
 const notifyWait = 10 * time.Second
