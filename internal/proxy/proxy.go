@@ -601,11 +601,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 	}
 	adminAddr := ""
 	if cfg.AdminListen != "" {
-		var console http.Handler
-		if hooks.Console != nil {
-			console = hooks.Console
-		}
-		if adminAddr, err = servers.Listen(LoopbackByDefault(cfg.AdminListen), Admin(health, hooks.Metrics, console)); err != nil {
+		if adminAddr, err = servers.Listen(LoopbackByDefault(cfg.AdminListen), Admin(health, hooks.Metrics, hooks.Console)); err != nil {
 			servers.Shutdown(0)
 			return err
 		}
