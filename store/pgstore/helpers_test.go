@@ -80,8 +80,9 @@ func newStore(tb testing.TB) (*pgstore.Store, string) {
 	return s, schema
 }
 
-// queryCounter is a pgx QueryTracer that counts the queries sent (each
-// Query, QueryRow or Exec is one).
+// queryCounter is a pgx QueryTracer and BatchTracer that counts the
+// statements sent (each Query, QueryRow or Exec is one, and each statement
+// of a batch).
 type queryCounter struct{ n atomic.Int64 }
 
 func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
@@ -90,6 +91,14 @@ func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.T
 }
 
 func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (c *queryCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (c *queryCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) { c.n.Add(1) }
+
+func (c *queryCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 // countingPool returns a pool of at most maxConns connections to the test
 // server whose queries c counts. It is closed when the test ends. It never

@@ -29,8 +29,15 @@
 //
 // # Round trips
 //
-// Every operation is one statement, so one round trip and, for a write, one
-// commit:
+// Every operation is one statement, so at most one round trip and, for a
+// write, one commit. Writes made at the same time share both: the store sends
+// the acquires, renewals, checkpoints and completions that its callers make
+// while a batch is on its way as the next batch ([store.Batcher]), one
+// pipeline in one implicit transaction, in the order of their scope and key
+// (so that batches lock records in one order and never deadlock). A
+// statement that fails is reported to its caller and the rest of its batch
+// runs again without it. Up to half the pool's connections carry batches at
+// once; the rest serve reads, scans and listeners.
 //
 //	acquire        1  (INSERT … ON CONFLICT DO UPDATE … WHERE, in a CTE, RETURNING)
 //	replay lookup  1  (it is the acquire statement itself)
@@ -81,8 +88,8 @@
 //	Replay           Acquire of a completed key        141 000    7 070  1
 //	RawSelect        SELECT by primary key              94 000   10 612  1   idem/raw 1.50
 //
-// A new key costs what its two commits cost (each waits for an fsync); the
-// store adds the CTE, the CHECKs and two small partial indexes. A replay is
+// A new key costs what its two commits cost (each waits for an fsync, shared
+// by the writes of a batch under concurrency); the store adds the CTE, the CHECKs and two small partial indexes. A replay is
 // one statement that reads one row and writes nothing, so its commit writes no
 // WAL; what it adds over a bare SELECT is starting an INSERT that inserts
 // nothing (the executor opens the table's indexes for ON CONFLICT) and
@@ -91,10 +98,12 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"time"
 
@@ -145,6 +154,10 @@ type Store struct {
 	schema string // as configured, unquoted
 
 	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, listSQL, pruneSQL string
+
+	// writes sends the writes that callers make at the same time as one
+	// batch: one round trip and one transaction (one commit) for all.
+	writes store.Batcher[*write]
 }
 
 // New returns a store on cfg.Pool and, unless cfg.NoMigrate, applies the
@@ -175,6 +188,8 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		listSQL:       sub(listSQL),
 		pruneSQL:      sub(pruneSQL),
 	}
+	s.writes.Run = s.batch
+	s.writes.Runners = max(1, int(cfg.Pool.Config().MaxConns)/2) // the rest for reads, scans and listeners
 	if !cfg.NoMigrate {
 		if err := s.Migrate(ctx); err != nil {
 			return nil, err
@@ -346,16 +361,15 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		return store.Record{}, err
 	}
 	for range acquireAttempts {
-		row := s.pool.QueryRow(ctx, s.acquireSQL,
-			p.Scope, p.Key, string(p.Fingerprint), p.Token, p.Now, p.LeaseExpires, p.TakeoverSafe)
-		r, err := scanRecord(row)
-		if errors.Is(err, pgx.ErrNoRows) {
-			continue // the row changed after the snapshot: look again
-		}
-		if err != nil {
+		w := &write{scope: p.Scope, key: p.Key, sql: s.acquireSQL, returns: true,
+			args: []any{p.Scope, p.Key, string(p.Fingerprint), p.Token, p.Now, p.LeaseExpires, p.TakeoverSafe}}
+		if err := s.writes.Do(ctx, w); err != nil {
 			return store.Record{}, translate("acquire", err)
 		}
-		return r, nil
+		if w.noRow {
+			continue // the row changed after the snapshot: look again
+		}
+		return w.rec, nil
 	}
 	return store.Record{}, fmt.Errorf("pgstore: acquire: %w: the record changed under %d attempts in a row", store.ErrUnavailable, acquireAttempts)
 }
@@ -365,11 +379,11 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := store.Ready(ctx, "pgstore", "renew", p); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.renewSQL, p.Scope, p.Key, p.Token, p.Now, p.LeaseExpires)
+	n, err := s.exec(ctx, nil, s.renewSQL, p.Scope, p.Key, p.Token, p.Now, p.LeaseExpires)
 	if err != nil {
 		return translate("renew", err)
 	}
-	if tag.RowsAffected() == 0 {
+	if n == 0 {
 		return store.ErrLeaseLost
 	}
 	return nil
@@ -380,11 +394,11 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 	if err := store.Ready(ctx, "pgstore", "checkpoint", p); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, store.AppendCheckpoint(nil, p.Checkpoint()))
+	n, err := s.exec(ctx, nil, s.checkpointSQL, p.Scope, p.Key, p.Token, p.Now, store.AppendCheckpoint(nil, p.Checkpoint()))
 	if err != nil {
 		return translate("checkpoint", err)
 	}
-	if tag.RowsAffected() == 0 {
+	if n == 0 {
 		return store.ErrLeaseLost
 	}
 	return nil
@@ -392,7 +406,7 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 
 // Finish implements [store.Store] with one UPDATE.
 func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
-	return s.finish(ctx, s.pool, "finish", p)
+	return s.finish(ctx, nil, "finish", p)
 }
 
 // FinishTx settles a record like [Store.Finish], but inside the caller's
@@ -428,12 +442,8 @@ func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) erro
 	return s.finish(ctx, ptx, "finish in transaction", p)
 }
 
-// execer is what a pool and a transaction have in common.
-type execer interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}
-
-func (s *Store) finish(ctx context.Context, db execer, op string, p store.FinishParams) error {
+// finish settles a record: in tx when given, else as one of a batch.
+func (s *Store) finish(ctx context.Context, tx pgx.Tx, op string, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
@@ -451,14 +461,106 @@ func (s *Store) finish(ctx context.Context, db execer, op string, p store.Finish
 	if !p.Expires.IsZero() {
 		expires = p.Expires
 	}
-	tag, err := db.Exec(ctx, s.finishSQL, p.Scope, p.Key, p.Token, string(p.State), response, expires, p.Now, p.Repeat)
+	n, err := s.exec(ctx, tx, s.finishSQL, p.Scope, p.Key, p.Token, string(p.State), response, expires, p.Now, p.Repeat)
 	if err != nil {
 		return translate(op, err)
 	}
-	if tag.RowsAffected() == 0 {
+	if n == 0 {
 		return store.ErrLeaseLost
 	}
 	return nil
+}
+
+// A write is one statement of a batch, on the record of scope and key
+// (its first two arguments): the acquire statement, whose record is
+// returned (rec, or noRow when it returned none), or an UPDATE, whose rows
+// affected are counted (n).
+type write struct {
+	scope, key string
+	sql        string
+	args       []any
+	returns    bool
+	rec        store.Record
+	noRow      bool
+	n          int64
+}
+
+// exec runs an UPDATE whose first two arguments are a record's scope and
+// key, in tx when given, else as one of a batch, and returns the rows it
+// affected.
+func (s *Store) exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (int64, error) {
+	if tx != nil {
+		tag, err := tx.Exec(ctx, sql, args...)
+		return tag.RowsAffected(), err
+	}
+	w := &write{scope: args[0].(string), key: args[1].(string), sql: sql, args: args}
+	err := s.writes.Do(ctx, w)
+	return w.n, err
+}
+
+// batch runs writes as one pipeline in one implicit transaction: one round
+// trip, one commit. They run in the order of their scope and key, so that
+// two batches (of this process or another) that touch the same records lock
+// them in the same order and never deadlock; writes in a batch are
+// concurrent calls, so any order is an order they could have run in. A
+// statement that fails rolls the transaction back: it is reported failed and
+// the others run again without it, so that what commits is exactly the
+// writes reported done. A failure that is not the statement's (a connection
+// lost) is every write's.
+func (s *Store) batch(ctx context.Context, writes []*write) []error {
+	errs := make([]error, len(writes))
+	run := make([]int, len(writes)) // the writes still to run, by index
+	for i := range run {
+		run[i] = i
+	}
+	slices.SortStableFunc(run, func(a, b int) int {
+		return cmp.Or(strings.Compare(writes[a].scope, writes[b].scope), strings.Compare(writes[a].key, writes[b].key))
+	})
+	for len(run) > 0 {
+		failed, err := s.send(ctx, writes, run)
+		if failed < 0 { // committed, or the batch failed as a whole
+			for _, i := range run {
+				errs[i] = err
+			}
+			break
+		}
+		errs[run[failed]] = err
+		run = slices.Delete(run, failed, failed+1)
+	}
+	return errs
+}
+
+// send runs the writes in run as one batch. When a statement fails it
+// returns that write's position in run and its error; otherwise -1 and the
+// batch's error (nil once committed).
+func (s *Store) send(ctx context.Context, writes []*write, run []int) (int, error) {
+	b := &pgx.Batch{}
+	for _, i := range run {
+		b.Queue(writes[i].sql, writes[i].args...)
+	}
+	res := s.pool.SendBatch(ctx, b)
+	for pos, i := range run {
+		w := writes[i]
+		var err error
+		if w.returns {
+			w.rec, err = scanRecord(res.QueryRow())
+			if w.noRow = errors.Is(err, pgx.ErrNoRows); w.noRow {
+				err = nil
+			}
+		} else {
+			var tag pgconn.CommandTag
+			tag, err = res.Exec()
+			w.n = tag.RowsAffected()
+		}
+		if err != nil {
+			res.Close()
+			if _, ok := errors.AsType[*pgconn.PgError](err); ok {
+				return pos, err
+			}
+			return -1, err
+		}
+	}
+	return -1, res.Close()
 }
 
 // Get implements [store.Store] with one SELECT.

@@ -56,7 +56,10 @@
 // Each operation is one Lua script, so one round trip: acquire 1 (the same
 // script returns the existing record, so the lookup that decides a replay is
 // that round trip too), renew 1, checkpoint 1, complete/release/mark-unknown
-// 1, get 1 (HGETALL). A scan page costs 2 pipelined round trips when nothing changes
+// 1, get 1 (HGETALL). Scripts that callers run at the same time share round
+// trips: those that come while pipelines are on their way go in the next
+// one ([store.Batcher]; up to 4 pipelines at once), one network write and
+// read for all of them, each script still atomic on its own. A scan page costs 2 pipelined round trips when nothing changes
 // under it: one pipeline runs a range script on the pending set of every
 // shard from the cursor's on (each returns at most Limit+1 members whose
 // score is due), and one fetches those records (HGETALL each); records that
@@ -179,6 +182,9 @@ type Store struct {
 	tags    []string // tags[i] = prefix + "{" + prefix + ":" + i + "}"
 	pending []string // pending[i] = tags[i] + ":pending"
 	records string   // a SCAN pattern that matches the keys of every shard
+	// calls sends the scripts that callers run at the same time in one
+	// pipeline: one network write and read for all of them.
+	calls store.Batcher[*scriptCall]
 }
 
 // New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
@@ -208,6 +214,7 @@ func New(cfg Config) (*Store, error) {
 		s.tags[i] = prefix + "{" + prefix + ":" + strconv.Itoa(i) + "}"
 		s.pending[i] = s.tags[i] + ":pending"
 	}
+	s.calls.Run, s.calls.Runners = s.pipeline, pipelines
 	return s, nil
 }
 
@@ -424,8 +431,8 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	if p.TakeoverSafe {
 		ts = "1"
 	}
-	res, err := acquireScript.Run(ctx, s.client, []string{rec, pending},
-		ms(p.Now), string(p.Fingerprint), p.Token, ms(p.LeaseExpires), ts, p.Scope, p.Key).Result()
+	res, err := s.run(ctx, acquireScript, []string{rec, pending},
+		ms(p.Now), string(p.Fingerprint), p.Token, ms(p.LeaseExpires), ts, p.Scope, p.Key)
 	if err != nil {
 		return store.Record{}, translate("acquire", err)
 	}
@@ -455,11 +462,11 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 		return err
 	}
 	rec, pending := s.keys(p.Scope, p.Key)
-	n, err := renewScript.Run(ctx, s.client, []string{rec, pending}, p.Token, ms(p.Now), ms(p.LeaseExpires)).Int()
+	res, err := s.run(ctx, renewScript, []string{rec, pending}, p.Token, ms(p.Now), ms(p.LeaseExpires))
 	if err != nil {
 		return translate("renew", err)
 	}
-	if n != 1 {
+	if n, _ := res.(int64); n != 1 {
 		return store.ErrLeaseLost
 	}
 	return nil
@@ -471,12 +478,12 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 		return err
 	}
 	rec, _ := s.keys(p.Scope, p.Key)
-	n, err := checkpointScript.Run(ctx, s.client, []string{rec},
-		p.Token, ms(p.Now), store.AppendCheckpoint(nil, p.Checkpoint())).Int()
+	res, err := s.run(ctx, checkpointScript, []string{rec},
+		p.Token, ms(p.Now), store.AppendCheckpoint(nil, p.Checkpoint()))
 	if err != nil {
 		return translate("checkpoint", err)
 	}
-	if n != 1 {
+	if n, _ := res.(int64); n != 1 {
 		return store.ErrLeaseLost
 	}
 	return nil
@@ -505,12 +512,12 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if p.Repeat {
 		repeat = "1"
 	}
-	n, err := finishScript.Run(ctx, s.client, []string{rec, pending},
-		p.Token, ms(p.Now), string(p.State), exp, ttl, resp, repeat).Int()
+	res, err := s.run(ctx, finishScript, []string{rec, pending},
+		p.Token, ms(p.Now), string(p.State), exp, ttl, resp, repeat)
 	if err != nil {
 		return translate("finish", err)
 	}
-	if n != 1 {
+	if n, _ := res.(int64); n != 1 {
 		return store.ErrLeaseLost
 	}
 	return nil
@@ -602,13 +609,13 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 // pipeline: a range script on every shard from pos.shard on, each asked for
 // limit+1 members.
 func (s *Store) candidates(ctx context.Context, pos position, now string, limit int) ([]position, bool, error) {
-	calls := make([]scriptCall, 0, s.shards-pos.shard)
+	calls := make([]*scriptCall, 0, s.shards-pos.shard)
 	for i := pos.shard; i < s.shards; i++ {
 		score, member := "", ""
 		if i == pos.shard {
 			score, member = pos.score, pos.member
 		}
-		calls = append(calls, scriptCall{keys: []string{s.pending[i]}, args: []any{now, score, member, limit + 1}})
+		calls = append(calls, &scriptCall{keys: []string{s.pending[i]}, args: []any{now, score, member, limit + 1}})
 	}
 	cmds := s.runScripts(ctx, scanScript, calls)
 	var out []position
@@ -659,27 +666,62 @@ func (s *Store) fetch(ctx context.Context, op string, recs []string) ([]*store.R
 	return out, nil
 }
 
+// A scriptCall is a script to run on keys with args; script nil is the
+// script of the runScripts call. A pipeline sets res and err.
 type scriptCall struct {
-	keys []string
-	args []any
+	script *redis.Script
+	keys   []string
+	args   []any
+	res    any
 }
 
-// runScripts runs script once per call in one pipeline (EVALSHA), then
-// runs again with EVAL, in a second pipeline, the calls that found the script
-// missing from the server's cache. Each command carries its own error (a
-// failed pipeline sets it on every command).
-func (s *Store) runScripts(ctx context.Context, script *redis.Script, calls []scriptCall) []*redis.Cmd {
+// pipelines is how many pipelines of a store's calls run at once.
+const pipelines = 4
+
+// run runs script as one of the calls that share a pipeline, and returns its
+// result.
+func (s *Store) run(ctx context.Context, script *redis.Script, keys []string, args ...any) (any, error) {
+	c := &scriptCall{script: script, keys: keys, args: args}
+	if err := s.calls.Do(ctx, c); err != nil {
+		return nil, err
+	}
+	return c.res, nil
+}
+
+// pipeline runs a batch of calls in one pipeline (runScripts) and sets each
+// one's result.
+func (s *Store) pipeline(ctx context.Context, calls []*scriptCall) []error {
+	cmds := s.runScripts(ctx, nil, calls)
+	errs := make([]error, len(calls))
+	for i, cmd := range cmds {
+		calls[i].res, errs[i] = cmd.Result()
+	}
+	return errs
+}
+
+// runScripts runs each call's script (or script, for a call without one)
+// in one pipeline (EVALSHA), then runs again with EVAL, in a second
+// pipeline, the calls that found their script missing from the server's
+// cache. Each command carries its own error (a failed pipeline sets it on
+// every command).
+func (s *Store) runScripts(ctx context.Context, script *redis.Script, calls []*scriptCall) []*redis.Cmd {
+	scriptOf := func(c *scriptCall) *redis.Script {
+		if c.script != nil {
+			return c.script
+		}
+		return script
+	}
 	cmds := make([]*redis.Cmd, len(calls))
 	pipe := s.client.Pipeline()
 	for i, c := range calls {
-		cmds[i] = script.EvalSha(ctx, pipe, c.keys, c.args...)
+		cmds[i] = scriptOf(c).EvalSha(ctx, pipe, c.keys, c.args...)
 	}
 	_, _ = pipe.Exec(ctx)
 	pipe = s.client.Pipeline()
 	var again bool
 	for i, cmd := range cmds {
 		if isNoScript(cmd.Err()) {
-			cmds[i] = script.Eval(ctx, pipe, calls[i].keys, calls[i].args...)
+			cmds[i] = scriptOf(calls[i]).Eval(ctx, pipe, calls[i].keys, calls[i].args...)
 			again = true
 		}
 	}

@@ -12,8 +12,8 @@ import (
 	"github.com/idemhq/idem/store"
 )
 
-// TestGroupCommit queues writes behind a transaction that is still
-// committing (the lead is held) and checks that the one transaction that
+// TestGroupCommit queues writes behind a transaction that is still running
+// and checks that the one transaction that
 // then runs them all applies each in its turn, reports each as it went, and
 // commits exactly the writes reported done: a write that sees the one
 // before it, a refused write and a failing one beside writes that succeed,
@@ -36,15 +36,25 @@ func TestGroupCommit(t *testing.T) {
 	}
 	failing := errors.New("after a write, a statement that fails")
 
-	s.lead <- struct{}{} // a transaction is committing: every write below queues
+	// A transaction that runs until released: every write below queues.
+	running, release := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		held <- s.write(bg, "test", func(context.Context, *sql.Tx) error {
+			close(running)
+			<-release
+			return nil
+		})
+	}()
+	wait.Recv(t, running, 10*time.Second, "the holding transaction to run")
 	results := map[string]chan error{}
 	queue := func(name string, call func() error) {
 		t.Helper()
 		ch := make(chan error, 1)
 		results[name] = ch
-		want := len(s.queued()) + 1
+		want := s.writes.Queued() + 1
 		go func() { ch <- call() }()
-		wait.Until(t, 10*time.Second, name+" to queue", func() bool { return len(s.queued()) == want })
+		wait.Until(t, 10*time.Second, name+" to queue", func() bool { return s.writes.Queued() == want })
 	}
 	queue("acquire a", func() error { _, err := s.Acquire(bg, acquire("a", "tok-a")); return err })
 	queue("complete a", func() error { return s.Finish(bg, complete("a", "tok-a")) })
@@ -66,10 +76,13 @@ func TestGroupCommit(t *testing.T) {
 	queue("abandoned acquire d", func() error { _, err := s.Acquire(gaveUp, acquire("d", "tok-d")); return err })
 
 	giveUp()
-	if err := wait.Recv(t, results["abandoned acquire d"], 10*time.Second, "the abandoned write to return while the lead is held"); !errors.Is(err, context.Canceled) {
+	if err := wait.Recv(t, results["abandoned acquire d"], 10*time.Second, "the abandoned write to return while the transaction runs"); !errors.Is(err, context.Canceled) {
 		t.Fatalf("abandoned write: %v, want context.Canceled", err)
 	}
-	<-s.lead // the commit ends: the queued writes run
+	close(release) // the transaction commits: the queued writes run
+	if err := wait.Recv(t, held, 10*time.Second, "the holding transaction"); err != nil {
+		t.Fatal(err)
+	}
 	for name, want := range map[string]error{"acquire a": nil, "complete a": nil, "complete b": store.ErrLeaseLost,
 		"failing write": failing, "acquire c": nil} {
 		if err := wait.Recv(t, results[name], 10*time.Second, name); !errors.Is(err, want) || (want == nil) != (err == nil) {
@@ -85,11 +98,4 @@ func TestGroupCommit(t *testing.T) {
 			t.Errorf("%s: %v %v, want %v", key, r.State, err, want)
 		}
 	}
-}
-
-// queued returns the writes waiting for a transaction.
-func (s *Store) queued() []*pendingWrite {
-	s.qmu.Lock()
-	defer s.qmu.Unlock()
-	return s.queue[:len(s.queue):len(s.queue)]
 }

@@ -71,8 +71,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem/store"
@@ -103,11 +101,9 @@ type Config struct {
 type Store struct {
 	db    *sql.DB
 	owner string // names this store in its scan cursors
-	// lead is held by the writer that commits the queued writes: one
-	// transaction at a time in this process.
-	lead  chan struct{}
-	qmu   sync.Mutex
-	queue []*pendingWrite
+	// writes group-commits the writes of this process, one transaction at
+	// a time (SQLite has one writer).
+	writes store.Batcher[func(context.Context, *sql.Tx) error]
 	// The statements of every call, prepared once (on each connection of
 	// the pool, by database/sql).
 	getStmt, insertStmt, createStmt, updateStmt, settleStmt *sql.Stmt
@@ -153,7 +149,8 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sqlitestore: open %s: %w", cfg.Path, err)
 	}
-	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path, lead: make(chan struct{}, 1)}
+	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path}
+	s.writes.Run = s.commit
 	if err := s.migrate(ctx); err != nil {
 		db.Close()
 		return nil, err
@@ -333,108 +330,50 @@ func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) erro
 	return translate("finish", s.finish(ctx, stx, p))
 }
 
-// A pendingWrite is a write waiting for the transaction that commits it.
-type pendingWrite struct {
-	ctx   context.Context
-	fn    func(context.Context, *sql.Tx) error
-	claim atomic.Int32 // pending, taken by a committer, or abandoned by its caller
-	err   error        // set before done is closed
-	done  chan struct{}
-}
-
-const (
-	writePending int32 = iota
-	writeTaken
-	writeAbandoned
-)
-
-// maxBatch bounds the writes one transaction commits.
-const maxBatch = 256
-
-// write runs fn in a write transaction and returns once it is committed (or
-// failed). Writes are group-committed: the writes that arrive while one
-// transaction commits wait for it, and the first of them to take the lead
-// then runs them all, each in turn, in one transaction, one fsync for all.
-// Each write sees the ones before it, as if it ran alone after them, and
-// none is reported done before the transaction that holds it is on disk.
+// write runs fn in a write transaction and returns once that transaction is
+// committed (or failed). Writes are group-committed ([store.Batcher]): the
+// writes that arrive while a transaction commits wait for it, and the next
+// transaction runs them all, each in turn, with one fsync for all of them.
 func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *sql.Tx) error) error {
-	w := &pendingWrite{ctx: ctx, fn: fn, done: make(chan struct{})}
-	s.qmu.Lock()
-	s.queue = append(s.queue, w)
-	s.qmu.Unlock()
-	for {
-		select {
-		case <-w.done:
-			return translate(op, w.err)
-		case <-ctx.Done():
-			if w.claim.CompareAndSwap(writePending, writeAbandoned) {
-				return ctx.Err() // never run: a committer skips it
-			}
-			<-w.done // running in a transaction that ends within its bounds
-			return translate(op, w.err)
-		case s.lead <- struct{}{}:
-			s.qmu.Lock()
-			n := min(len(s.queue), maxBatch)
-			batch := s.queue[:n:n]
-			s.queue = slices.Clone(s.queue[n:])
-			s.qmu.Unlock()
-			s.commit(batch)
-			<-s.lead
-		}
-	}
+	return translate(op, s.writes.Do(ctx, fn))
 }
 
-// commit runs the batch's writes in one transaction. A write that fails is
+// commit runs a batch of writes in one transaction. A write that fails is
 // reported failed and the transaction is run again without it, so that what
-// commits is exactly the writes reported done, each applied to what the
-// ones before it left. The transaction is cancelled once every write's
-// caller has given up.
-func (s *Store) commit(batch []*pendingWrite) {
-	run := batch[:0]
-	for _, w := range batch {
-		if w.claim.CompareAndSwap(writePending, writeTaken) {
-			run = append(run, w)
-		}
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var left atomic.Int32
-	left.Store(int32(len(run)))
-	for _, w := range run {
-		stop := context.AfterFunc(w.ctx, func() {
-			if left.Add(-1) == 0 {
-				cancel()
-			}
-		})
-		defer stop()
+// commits is exactly the writes reported done, each applied to what the ones
+// before it left.
+func (s *Store) commit(ctx context.Context, writes []func(context.Context, *sql.Tx) error) []error {
+	errs := make([]error, len(writes))
+	run := make([]int, len(writes)) // the writes still to run, by index
+	for i := range run {
+		run[i] = i
 	}
 	for len(run) > 0 {
-		failed, err := s.try(ctx, run)
+		failed, err := s.try(ctx, writes, run)
 		if failed < 0 { // committed, or the transaction failed as a whole
-			for _, w := range run {
-				w.err = err
-				close(w.done)
+			for _, i := range run {
+				errs[i] = err
 			}
-			return
+			break
 		}
-		run[failed].err = err
-		close(run[failed].done)
+		errs[run[failed]] = err
 		run = slices.Delete(run, failed, failed+1)
 	}
+	return errs
 }
 
 // try runs the writes in one transaction and commits it. When a write fails
-// it rolls back and returns that write's index and error; otherwise -1 and
-// the transaction's error (nil once committed).
-func (s *Store) try(ctx context.Context, run []*pendingWrite) (int, error) {
+// it rolls back and returns that write's position in run and its error;
+// otherwise -1 and the transaction's error (nil once committed).
+func (s *Store) try(ctx context.Context, writes []func(context.Context, *sql.Tx) error, run []int) (int, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return -1, err
 	}
-	for i, w := range run {
-		if err := w.fn(ctx, tx); err != nil {
+	for pos, i := range run {
+		if err := writes[i](ctx, tx); err != nil {
 			tx.Rollback()
-			return i, err
+			return pos, err
 		}
 	}
 	return -1, tx.Commit()

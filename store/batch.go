@@ -1,0 +1,151 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+)
+
+// A Batcher runs the operations that callers submit at the same time as
+// batches: while a batch runs, new operations queue, and the next batch takes
+// all of them (up to MaxBatch). A caller alone is a batch of one, run at
+// once. Stores use it to share what each call would otherwise pay on its
+// own: a commit and its fsync (SQLite), a round trip and a transaction
+// (PostgreSQL), a network write and read (Redis).
+//
+// No caller waits for a batch it is not in longer than that batch runs: the
+// next batch starts as soon as a runner is free. An operation whose caller's
+// context ends while it is queued is never run, and the caller gets the
+// context's error at once; once its batch has started, the caller waits for
+// the batch, which runs under a context that ends when every caller in it has
+// given up.
+//
+// The zero Batcher is not usable: set Run.
+type Batcher[T any] struct {
+	// Run runs a batch, in the order the operations came, and returns one
+	// error per operation (nil: done), in the same order. It must not keep
+	// ops after it returns.
+	Run func(ctx context.Context, ops []T) []error
+	// MaxBatch bounds the operations in one batch; 0 means 256.
+	MaxBatch int
+	// Runners is how many batches may run at once; 0 means 1.
+	Runners int
+
+	once  sync.Once
+	lead  chan struct{} // a token per runner
+	mu    sync.Mutex
+	queue []*batchedOp[T]
+}
+
+// A batchedOp is an operation waiting for the batch that runs it.
+type batchedOp[T any] struct {
+	ctx   context.Context
+	op    T
+	claim atomic.Int32 // opQueued, then opTaken by a runner or opAbandoned by its caller
+	err   error        // set before done is closed
+	done  chan struct{}
+}
+
+const (
+	opQueued int32 = iota
+	opTaken
+	opAbandoned
+)
+
+// Do queues op, runs batches while it waits when a runner is free, and
+// returns op's error once its batch has run.
+func (b *Batcher[T]) Do(ctx context.Context, op T) error {
+	b.once.Do(func() { b.lead = make(chan struct{}, max(b.Runners, 1)) })
+	w := &batchedOp[T]{ctx: ctx, op: op, done: make(chan struct{})}
+	b.mu.Lock()
+	b.queue = append(b.queue, w)
+	b.mu.Unlock()
+	for {
+		select {
+		case <-w.done:
+			return w.err
+		case <-ctx.Done():
+			if w.claim.CompareAndSwap(opQueued, opAbandoned) {
+				return ctx.Err() // never run: a runner skips it
+			}
+			<-w.done // its batch has started and ends within its callers' bounds
+			return w.err
+		case b.lead <- struct{}{}:
+			func() {
+				defer func() { <-b.lead }()
+				b.runQueued()
+			}()
+		}
+	}
+}
+
+// runQueued runs one batch of what is queued.
+func (b *Batcher[T]) runQueued() {
+	size := b.MaxBatch
+	if size <= 0 {
+		size = 256
+	}
+	b.mu.Lock()
+	n := min(len(b.queue), size)
+	taken := b.queue[:n:n]
+	b.queue = slices.Clone(b.queue[n:])
+	b.mu.Unlock()
+
+	batch := taken[:0]
+	for _, w := range taken {
+		if w.claim.CompareAndSwap(opQueued, opTaken) {
+			batch = append(batch, w)
+		}
+	}
+	if len(batch) == 0 {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var waiting atomic.Int32
+	var abandoned atomic.Bool // every caller gave up, and the batch was cancelled
+	waiting.Store(int32(len(batch)))
+	ops := make([]T, len(batch))
+	for i, w := range batch {
+		ops[i] = w.op
+		stop := context.AfterFunc(w.ctx, func() {
+			if waiting.Add(-1) == 0 {
+				abandoned.Store(true)
+				cancel()
+			}
+		})
+		defer stop()
+	}
+	errs := []error(nil)
+	defer func() { // also when Run panics: no caller is left waiting
+		for i, w := range batch {
+			switch {
+			case i >= len(errs):
+				w.err = fmt.Errorf("store: batch: %d results for %d operations", len(errs), len(batch))
+			case errs[i] != nil && abandoned.Load():
+				// Cut short because its caller gave up: the caller's own
+				// reason (its deadline, or its cancellation).
+				w.err = w.ctx.Err()
+			default:
+				w.err = errs[i]
+			}
+			close(w.done)
+		}
+	}()
+	errs = b.Run(ctx, ops)
+}
+
+// Queued returns how many operations wait for a batch.
+func (b *Batcher[T]) Queued() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n := 0
+	for _, w := range b.queue {
+		if w.claim.Load() == opQueued {
+			n++
+		}
+	}
+	return n
+}

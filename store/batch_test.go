@@ -1,0 +1,151 @@
+package store_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
+)
+
+// TestBatcherRunsWhatQueuedAsOneBatch holds a batch running and checks that
+// what queues meanwhile runs as the next batch, in order, each caller getting
+// its own result, and that a caller who gives up while queued is answered at
+// once and never run.
+func TestBatcherRunsWhatQueuedAsOneBatch(t *testing.T) {
+	release := make(chan struct{})
+	var mu sync.Mutex
+	var batches [][]string
+	b := &store.Batcher[string]{Run: func(ctx context.Context, ops []string) []error {
+		mu.Lock()
+		batches = append(batches, slices.Clone(ops))
+		mu.Unlock()
+		if ops[0] == "first" {
+			<-release
+		}
+		errs := make([]error, len(ops))
+		for i, op := range ops {
+			if op == "refused" {
+				errs[i] = store.ErrLeaseLost
+			}
+		}
+		return errs
+	}}
+	bg := context.Background()
+	results := map[string]chan error{}
+	do := func(ctx context.Context, op string) {
+		results[op] = make(chan error, 1)
+		go func() { results[op] <- b.Do(ctx, op) }()
+	}
+	do(bg, "first")
+	wait.Until(t, 10*time.Second, "the first batch to run", func() bool { mu.Lock(); defer mu.Unlock(); return len(batches) == 1 })
+	gaveUp, giveUp := context.WithCancel(bg)
+	for i, op := range []string{"a", "refused", "abandoned", "b"} {
+		ctx := bg
+		if op == "abandoned" {
+			ctx = gaveUp
+		}
+		do(ctx, op)
+		wait.Until(t, 10*time.Second, op+" to queue", func() bool { return b.Queued() == i+1 })
+	}
+	giveUp()
+	if err := wait.Recv(t, results["abandoned"], 10*time.Second, "the abandoned operation to return"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("abandoned: %v, want context.Canceled", err)
+	}
+	close(release)
+	for op, want := range map[string]error{"first": nil, "a": nil, "refused": store.ErrLeaseLost, "b": nil} {
+		if err := wait.Recv(t, results[op], 10*time.Second, op); !errors.Is(err, want) || (want == nil) != (err == nil) {
+			t.Errorf("%s: %v, want %v", op, err, want)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := [][]string{{"first"}, {"a", "refused", "b"}}; fmt.Sprint(batches) != fmt.Sprint(want) {
+		t.Fatalf("batches %v, want %v", batches, want)
+	}
+}
+
+// TestBatcherUnderLoad runs 2,000 operations from as many goroutines through
+// three runners: each runs exactly once, gets its own result, and no more
+// than three batches run at once.
+func TestBatcherUnderLoad(t *testing.T) {
+	const n = 2000
+	var runs [n]atomic.Int32
+	var running, most atomic.Int32
+	b := &store.Batcher[int]{Runners: 3, MaxBatch: 16, Run: func(ctx context.Context, ops []int) []error {
+		now := running.Add(1)
+		defer running.Add(-1)
+		for m := most.Load(); now > m && !most.CompareAndSwap(m, now); m = most.Load() {
+		}
+		if len(ops) > 16 {
+			t.Errorf("a batch of %d, over MaxBatch", len(ops))
+		}
+		errs := make([]error, len(ops))
+		for i, op := range ops {
+			runs[op].Add(1)
+			errs[i] = fmt.Errorf("op %d", op)
+		}
+		return errs
+	}}
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := b.Do(context.Background(), i); err == nil || err.Error() != fmt.Sprintf("op %d", i) {
+				t.Errorf("op %d got %v", i, err)
+			}
+		}()
+	}
+	wait.Done(t, time.Minute, "every operation to return", wg.Wait)
+	for i := range runs {
+		if got := runs[i].Load(); got != 1 {
+			t.Fatalf("op %d ran %d times", i, got)
+		}
+	}
+	if m := most.Load(); m > 3 {
+		t.Fatalf("%d batches ran at once, over Runners", m)
+	}
+}
+
+// TestBatcherRunPanics checks that a batch whose Run panics leaves no caller
+// waiting: the panic reaches the runner's caller, the others get an error.
+func TestBatcherRunPanics(t *testing.T) {
+	release, started := make(chan struct{}), make(chan struct{})
+	b := &store.Batcher[string]{Run: func(ctx context.Context, ops []string) []error {
+		if ops[0] == "first" {
+			close(started)
+			<-release
+			return []error{nil}
+		}
+		panic("boom")
+	}}
+	first := make(chan error, 1)
+	go func() { first <- b.Do(context.Background(), "first") }()
+	wait.Recv(t, started, 10*time.Second, "the first batch to run")
+	others := make(chan error, 2)
+	for range 2 {
+		go func() {
+			defer func() {
+				if r := recover(); r != nil {
+					others <- fmt.Errorf("panicked: %v", r)
+				}
+			}()
+			others <- b.Do(context.Background(), "second")
+		}()
+	}
+	wait.Until(t, 10*time.Second, "two operations to queue", func() bool { return b.Queued() == 2 })
+	close(release)
+	wait.Recv(t, first, 10*time.Second, "the first operation")
+	for range 2 {
+		if err := wait.Recv(t, others, 10*time.Second, "a caller of the batch that panicked"); err == nil {
+			t.Fatal("a caller of the batch that panicked got no error")
+		}
+	}
+}

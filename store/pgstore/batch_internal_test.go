@@ -1,0 +1,128 @@
+package pgstore
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemhq/idem/internal/testkit"
+	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
+)
+
+// TestBatch queues writes behind a batch that is still running (it waits
+// for an advisory lock the test holds) and checks that the one batch that
+// then runs them all applies each in its turn, reports each as it went, and
+// commits exactly the writes reported done: a write that sees the one before
+// it on the same record, a refused write and a failing statement beside
+// writes that succeed, and a write whose caller gave up while it waited,
+// which never runs.
+func TestBatch(t *testing.T) {
+	bg := context.Background()
+	cfg, err := pgxpool.ParseConfig(testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 3 // one batch at a time
+	pool, err := pgxpool.NewWithConfig(bg, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var b [8]byte
+	rand.Read(b[:])
+	schema := "idem_test_" + hex.EncodeToString(b[:])
+	defer pool.Exec(bg, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	s, err := New(bg, Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.writes.Runners != 1 {
+		t.Fatalf("%d runners on a pool of 3, want 1", s.writes.Runners)
+	}
+
+	now := time.Now().UTC().Truncate(time.Microsecond)
+	fp := store.Fingerprint("POST /charges sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+	acquire := func(key, token string) store.AcquireParams {
+		return store.AcquireParams{Key: key, Fingerprint: fp, Token: token, Now: now, LeaseExpires: now.Add(time.Minute)}
+	}
+	complete := func(key, token string) store.FinishParams {
+		return store.FinishParams{Key: key, Token: token, Now: now, State: store.StateCompleted,
+			Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: now.Add(time.Hour)}
+	}
+
+	// A batch that runs until the test lets go of an advisory lock (a
+	// number of this run's own).
+	lock := int64(b[0])<<16 | int64(b[1])<<8 | int64(b[2]) | 1<<30
+	hold, err := pool.Acquire(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hold.Release()
+	if _, err := hold.Exec(bg, "SELECT pg_advisory_lock($1)", lock); err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan error, 1)
+	go func() {
+		held <- s.writes.Do(bg, &write{scope: "", key: "~", sql: "SELECT $1::text, $2::text, pg_advisory_xact_lock($3)", args: []any{"", "~", lock}})
+	}()
+	wait.Until(t, 10*time.Second, "the holding batch to wait for the lock", func() bool {
+		var waiting bool
+		err := hold.QueryRow(bg, `SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND objid = $1 AND NOT granted`, lock).Scan(&waiting)
+		return err == nil && waiting
+	})
+
+	results := map[string]chan error{}
+	queue := func(name string, call func() error) {
+		t.Helper()
+		ch := make(chan error, 1)
+		results[name] = ch
+		want := s.writes.Queued() + 1
+		go func() { ch <- call() }()
+		wait.Until(t, 10*time.Second, name+" to queue", func() bool { return s.writes.Queued() == want })
+	}
+	queue("acquire c", func() error { _, err := s.Acquire(bg, acquire("c", "tok-c")); return err })
+	queue("acquire a", func() error { _, err := s.Acquire(bg, acquire("a", "tok-a")); return err })
+	queue("complete a", func() error { return s.Finish(bg, complete("a", "tok-a")) })
+	queue("complete b", func() error { return s.Finish(bg, complete("b", "tok-b")) }) // never acquired: refused
+	queue("failing statement", func() error {
+		return s.writes.Do(bg, &write{scope: "", key: "b2", sql: "SELECT $1::text, $2::text, 1/0", args: []any{"", "b2"}})
+	})
+	gaveUp, giveUp := context.WithCancel(bg)
+	queue("abandoned acquire d", func() error { _, err := s.Acquire(gaveUp, acquire("d", "tok-d")); return err })
+
+	giveUp()
+	if err := wait.Recv(t, results["abandoned acquire d"], 10*time.Second, "the abandoned write to return while the batch runs"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("abandoned write: %v, want context.Canceled", err)
+	}
+	if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.Recv(t, held, 10*time.Second, "the holding batch"); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]error{"acquire a": nil, "complete a": nil, "complete b": store.ErrLeaseLost, "acquire c": nil} {
+		if err := wait.Recv(t, results[name], 10*time.Second, name); !errors.Is(err, want) || (want == nil) != (err == nil) {
+			t.Errorf("%s: %v, want %v", name, err, want)
+		}
+	}
+	var pgErr interface{ SQLState() string }
+	if err := wait.Recv(t, results["failing statement"], 10*time.Second, "the failing statement"); !errors.As(err, &pgErr) || pgErr.SQLState() != "22012" {
+		t.Errorf("failing statement: %v, want division by zero", err)
+	}
+	for key, want := range map[string]store.State{"a": store.StateCompleted, "c": store.StateInProgress, "d": ""} {
+		r, err := s.Get(bg, store.GetParams{Key: key, Now: now})
+		switch {
+		case want == "" && !errors.Is(err, store.ErrNotFound):
+			t.Errorf("%s: %v %v, want no record", key, r.State, err)
+		case want != "" && (err != nil || r.State != want || r.Fence != 1):
+			t.Errorf("%s: %v fence %d %v, want %v fence 1", key, r.State, r.Fence, err, want)
+		}
+	}
+}
