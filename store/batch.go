@@ -63,6 +63,10 @@ func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 	b.queue = append(b.queue, w)
 	b.mu.Unlock()
 	for {
+		if w.claim.Load() == opTaken { // a runner has it: wait for its batch
+			<-w.done
+			return w.err
+		}
 		select {
 		case <-w.done:
 			return w.err
@@ -75,7 +79,9 @@ func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 		case b.lead <- struct{}{}:
 			func() {
 				defer func() { <-b.lead }()
-				b.runQueued()
+				if w.claim.Load() == opQueued { // else taken meanwhile: let a queued one lead
+					b.runQueued()
+				}
 			}()
 		}
 	}

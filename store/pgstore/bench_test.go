@@ -49,6 +49,13 @@ func BenchmarkAcquireComplete(b *testing.B) {
 	storetest.BenchAcquireComplete(b, x.store, x.counter.n.Load)
 }
 
+// BenchmarkAcquireCompleteParallel: BenchmarkAcquireComplete from many
+// goroutines at once on the shared pool, whose writes share batches.
+func BenchmarkAcquireCompleteParallel(b *testing.B) {
+	s, _ := newStore(b)
+	storetest.BenchAcquireCompleteParallel(b, s)
+}
+
 func BenchmarkReplay(b *testing.B) {
 	x := newBench(b)
 	storetest.BenchReplay(b, x.store, x.counter.n.Load)

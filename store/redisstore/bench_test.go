@@ -75,3 +75,12 @@ func BenchmarkRawGet(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkAcquireCompleteParallel: BenchmarkAcquireComplete from many
+// goroutines at once, whose scripts share pipelines.
+func BenchmarkAcquireCompleteParallel(b *testing.B) {
+	client, _ := countingClient(b)
+	s := newTestStore(b, client, 0)
+	warmUp(b, s)
+	storetest.BenchAcquireCompleteParallel(b, s)
+}

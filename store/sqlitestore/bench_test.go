@@ -15,6 +15,13 @@ func BenchmarkAcquireComplete(b *testing.B) {
 	storetest.BenchAcquireComplete(b, s, nil)
 }
 
+// BenchmarkAcquireCompleteParallel is BenchmarkAcquireComplete from many
+// goroutines at once, whose writes are group-committed.
+func BenchmarkAcquireCompleteParallel(b *testing.B) {
+	s := open(b, filepath.Join(b.TempDir(), "idem.db"))
+	storetest.BenchAcquireCompleteParallel(b, s)
+}
+
 // BenchmarkReplay is a retry of a completed request: one read transaction.
 func BenchmarkReplay(b *testing.B) {
 	s := open(b, filepath.Join(b.TempDir(), "idem.db"))
