@@ -16,11 +16,11 @@ import (
 // (PostgreSQL), a network write and read (Redis).
 //
 // No caller waits for a batch it is not in longer than that batch runs: the
-// next batch starts as soon as a runner is free. An operation whose caller's
-// context ends while it is queued is never run, and the caller gets the
-// context's error at once; once its batch has started, the caller waits for
-// the batch, which runs under a context that ends when every caller in it has
-// given up.
+// next batch starts as soon as a runner is free. No caller waits past the end
+// of its context either: it gets the context's error at once. Its operation
+// is then never run if it was still queued; if its batch had started, it may
+// still be done, as a call cut short may have been. A batch runs under a
+// context that ends when every caller in it has given up.
 //
 // The zero Batcher is not usable: set Run.
 type Batcher[T any] struct {
@@ -55,7 +55,8 @@ const (
 )
 
 // Do queues op, runs batches while it waits when a runner is free, and
-// returns op's error once its batch has run.
+// returns op's error once its batch has run, or ctx's error if ctx ends
+// first.
 func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 	b.once.Do(func() { b.lead = make(chan struct{}, max(b.Runners, 1)) })
 	w := &batchedOp[T]{ctx: ctx, op: op, done: make(chan struct{})}
@@ -63,20 +64,24 @@ func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 	b.queue = append(b.queue, w)
 	b.mu.Unlock()
 	for {
-		if w.claim.Load() == opTaken { // a runner has it: wait for its batch
-			<-w.done
-			return w.err
+		lead := b.lead
+		if w.claim.Load() == opTaken {
+			lead = nil // a runner has it: wait for its batch, not for a runner
 		}
 		select {
 		case <-w.done:
 			return w.err
 		case <-ctx.Done():
-			if w.claim.CompareAndSwap(opQueued, opAbandoned) {
-				return ctx.Err() // never run: a runner skips it
+			select {
+			case <-w.done: // done meanwhile: its result stands
+				return w.err
+			default:
 			}
-			<-w.done // its batch has started and ends within its callers' bounds
-			return w.err
-		case b.lead <- struct{}{}:
+			// Queued, it is never run (a runner skips it); taken, its batch
+			// may still do it, as a call cut short may have been done.
+			w.claim.CompareAndSwap(opQueued, opAbandoned)
+			return ctx.Err()
+		case lead <- struct{}{}:
 			func() {
 				defer func() { <-b.lead }()
 				if w.claim.Load() == opQueued { // else taken meanwhile: let a queued one lead

@@ -149,3 +149,25 @@ func TestBatcherRunPanics(t *testing.T) {
 		}
 	}
 }
+
+// TestBatcherCallerGivesUpWhileItsBatchRuns checks that a caller is answered
+// when its context ends even though its batch is still running, and that a
+// batch whose every caller has given up is cancelled.
+func TestBatcherCallerGivesUpWhileItsBatchRuns(t *testing.T) {
+	started, cancelled := make(chan struct{}), make(chan struct{})
+	b := &store.Batcher[string]{Run: func(ctx context.Context, ops []string) []error {
+		close(started)
+		<-ctx.Done()
+		close(cancelled)
+		return []error{ctx.Err()}
+	}}
+	ctx, cancel := context.WithCancel(context.Background())
+	got := make(chan error, 1)
+	go func() { got <- b.Do(ctx, "slow") }()
+	wait.Recv(t, started, 10*time.Second, "the batch to start")
+	cancel()
+	if err := wait.Recv(t, got, 10*time.Second, "the caller to be answered"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Do = %v, want context.Canceled", err)
+	}
+	wait.Recv(t, cancelled, 10*time.Second, "the abandoned batch to be cancelled")
+}
