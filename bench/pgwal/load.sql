@@ -18,8 +18,16 @@ BEGIN
 			UPDATE idem_walcost.raw SET state = 'completed', body = convert_to(repeat('x', 220), 'UTF8')
 			WHERE scope = '' AND key = k;
 			COMMIT;
+		ELSIF tbl = 'lean_no_partial' THEN
+			INSERT INTO idem_walcost.lean_no_partial (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
+			VALUES ('tenant', k, 'p', decode(repeat('ab', 32), 'hex'), decode(repeat('cd', 16), 'hex'), 1, now() + interval '30s', false, now(), now())
+			ON CONFLICT DO NOTHING;
+			COMMIT;
+			UPDATE idem_walcost.lean_no_partial SET state = 'c', response = convert_to(repeat('x', 320), 'UTF8'),
+				expires = now() + interval '24h', updated = now() WHERE scope = 'tenant' AND key = k;
+			COMMIT;
 		ELSE
-			EXECUTE format('INSERT INTO idem_walcost.%I VALUES ($1, $2, ''in_progress'', $3, $4, 1, now() + interval ''30s'', false, NULL, now(), now(), NULL, NULL) ON CONFLICT DO NOTHING', tbl)
+			EXECUTE format('INSERT INTO idem_walcost.%I (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated) VALUES ($1, $2, ''in_progress'', $3, $4, 1, now() + interval ''30s'', false, now(), now()) ON CONFLICT DO NOTHING', tbl)
 				USING 'tenant', k, repeat('f', 60), repeat('t', 26);
 			COMMIT;
 			EXECUTE format('UPDATE idem_walcost.%I SET state = ''completed'', response = $3, expires = now() + interval ''24h'', updated = now() WHERE scope = $1 AND key = $2', tbl)

@@ -2,7 +2,6 @@ package sqlitestore
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"path/filepath"
 	"testing"
@@ -40,7 +39,7 @@ func TestGroupCommit(t *testing.T) {
 	running, release := make(chan struct{}), make(chan struct{})
 	held := make(chan error, 1)
 	go func() {
-		held <- s.write(bg, "test", func(context.Context, *sql.Tx) error {
+		held <- s.write(bg, "test", func(context.Context, *txn) error {
 			close(running)
 			<-release
 			return nil
@@ -60,12 +59,12 @@ func TestGroupCommit(t *testing.T) {
 	queue("complete a", func() error { return s.Finish(bg, complete("a", "tok-a")) })
 	queue("complete b", func() error { return s.Finish(bg, complete("b", "tok-b")) }) // never acquired: refused
 	queue("failing write", func() error {
-		return s.write(bg, "test", func(ctx context.Context, tx *sql.Tx) error {
+		return s.write(bg, "test", func(ctx context.Context, in *txn) error {
 			next, _ := acquire("f", "tok-f").Apply(nil)
-			if err := s.put(ctx, tx, &next, false); err != nil {
+			if err := s.put(ctx, in, &next, false); err != nil {
 				return err
 			}
-			if _, err := tx.ExecContext(ctx, "INSERT INTO no_such_table VALUES (1)"); err != nil {
+			if _, err := in.conn.ExecContext(ctx, "INSERT INTO no_such_table VALUES (1)"); err != nil {
 				return errors.Join(failing, err)
 			}
 			return nil

@@ -102,8 +102,13 @@ type Store struct {
 	db    *sql.DB
 	owner string // names this store in its scan cursors
 	// writes group-commits the writes of this process, one transaction at
-	// a time (SQLite has one writer).
-	writes store.Batcher[func(context.Context, *sql.Tx) error]
+	// a time (SQLite has one writer), on conn.
+	writes store.Batcher[func(context.Context, *txn) error]
+	// conn is the connection writes run on, with the statements prepared on
+	// it (onConn: the pool's statement to conn's) and the transaction's own.
+	conn                                *sql.Conn
+	onConn                              map[*sql.Stmt]*sql.Stmt
+	beginStmt, commitStmt, rollbackStmt *sql.Stmt
 	// The statements of every call, prepared once (on each connection of
 	// the pool, by database/sql).
 	getStmt, insertStmt, createStmt, updateStmt, settleStmt *sql.Stmt
@@ -155,14 +160,35 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		db.Close()
 		return nil, err
 	}
-	for st, query := range map[**sql.Stmt]string{&s.getStmt: getSQL, &s.insertStmt: insertSQL, &s.createStmt: createSQL,
-		&s.updateStmt: updateSQL, &s.settleStmt: settleSQL} {
-		if *st, err = db.PrepareContext(ctx, query); err != nil {
-			db.Close()
-			return nil, translate("prepare", err)
-		}
+	if err := s.prepare(ctx); err != nil {
+		s.Close()
+		return nil, translate("prepare", err)
 	}
 	return s, nil
+}
+
+// prepare prepares the statements of every call on the pool and on the
+// write connection, which it opens.
+func (s *Store) prepare(ctx context.Context) (err error) {
+	if s.conn, err = s.db.Conn(ctx); err != nil {
+		return err
+	}
+	s.onConn = map[*sql.Stmt]*sql.Stmt{}
+	for st, query := range map[**sql.Stmt]string{&s.getStmt: getSQL, &s.insertStmt: insertSQL, &s.createStmt: createSQL,
+		&s.updateStmt: updateSQL, &s.settleStmt: settleSQL} {
+		if *st, err = s.db.PrepareContext(ctx, query); err != nil {
+			return err
+		}
+		if s.onConn[*st], err = s.conn.PrepareContext(ctx, query); err != nil {
+			return err
+		}
+	}
+	for st, query := range map[**sql.Stmt]string{&s.beginStmt: "BEGIN IMMEDIATE", &s.commitStmt: "COMMIT", &s.rollbackStmt: "ROLLBACK"} {
+		if *st, err = s.conn.PrepareContext(ctx, query); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // DB returns the store's database, for an application's own tables and for
@@ -170,7 +196,12 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 func (s *Store) DB() *sql.DB { return s.db }
 
 // Close closes the database.
-func (s *Store) Close() error { return s.db.Close() }
+func (s *Store) Close() error {
+	if s.conn != nil {
+		s.conn.Close()
+	}
+	return s.db.Close()
+}
 
 // migrate applies, in order, every embedded migration newer than the file's
 // user_version, in one write transaction.
@@ -180,7 +211,12 @@ func (s *Store) migrate(ctx context.Context) error {
 		return err
 	}
 	slices.Sort(names)
-	return s.write(ctx, "migrate", func(ctx context.Context, tx *sql.Tx) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return translate("migrate", err)
+	}
+	defer tx.Rollback()
+	err = func() error {
 		var version int
 		if err := tx.QueryRowContext(ctx, "PRAGMA user_version").Scan(&version); err != nil {
 			return err
@@ -199,7 +235,11 @@ func (s *Store) migrate(ctx context.Context) error {
 		}
 		_, err := tx.ExecContext(ctx, "PRAGMA user_version = "+strconv.Itoa(len(names)))
 		return err
-	})
+	}()
+	if err == nil {
+		err = tx.Commit()
+	}
+	return translate("migrate", err)
 }
 
 const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
@@ -222,12 +262,12 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		}
 	}
 	var next store.Record
-	err = s.write(ctx, "acquire", func(ctx context.Context, tx *sql.Tx) error {
+	err = s.write(ctx, "acquire", func(ctx context.Context, in *txn) error {
 		if existing == nil {
 			// A new key: one INSERT, which creates the record unless a
 			// row appeared since the read (then decided below).
 			next, _ = p.Apply(nil)
-			res, err := tx.StmtContext(ctx, s.createStmt).ExecContext(ctx, rowArgs(&next)...)
+			res, err := s.stmt(ctx, in, s.createStmt).ExecContext(ctx, rowArgs(&next)...)
 			if err != nil {
 				return err
 			}
@@ -235,14 +275,14 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 				return nil
 			}
 		}
-		cur, err := s.get(ctx, tx, p.Scope, p.Key)
+		cur, err := s.get(ctx, in, p.Scope, p.Key)
 		if err != nil {
 			return err
 		}
 		var write bool
 		next, write = p.Apply(cur)
 		if write {
-			return s.put(ctx, tx, &next, cur != nil)
+			return s.put(ctx, in, &next, cur != nil)
 		}
 		return nil
 	})
@@ -271,23 +311,23 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
-	return s.write(ctx, "finish", func(ctx context.Context, tx *sql.Tx) error {
-		return s.finish(ctx, tx, p)
+	return s.write(ctx, "finish", func(ctx context.Context, in *txn) error {
+		return s.finish(ctx, in, p)
 	})
 }
 
 // finish is p in tx: the owner's write in one UPDATE, else (a repeat, or a
 // token that lost the record) decided from the row.
-func (s *Store) finish(ctx context.Context, tx *sql.Tx, p store.FinishParams) error {
-	if settled, err := s.settle(ctx, tx, p); err != nil || settled {
+func (s *Store) finish(ctx context.Context, in *txn, p store.FinishParams) error {
+	if settled, err := s.settle(ctx, in, p); err != nil || settled {
 		return err
 	}
-	return s.apply(ctx, tx, p.Scope, p.Key, p.Apply)
+	return s.apply(ctx, in, p.Scope, p.Key, p.Apply)
 }
 
 // settle runs settleSQL (in tx when given) and reports whether it settled
 // the record.
-func (s *Store) settle(ctx context.Context, tx *sql.Tx, p store.FinishParams) (bool, error) {
+func (s *Store) settle(ctx context.Context, in *txn, p store.FinishParams) (bool, error) {
 	var resp []byte
 	if p.Response != nil {
 		var err error
@@ -295,7 +335,7 @@ func (s *Store) settle(ctx context.Context, tx *sql.Tx, p store.FinishParams) (b
 			return false, err
 		}
 	}
-	res, err := s.stmt(ctx, tx, s.settleStmt).ExecContext(ctx, string(p.State), resp, nullTime(p.Expires), p.Now.UnixNano(), p.Scope, p.Key, p.Token)
+	res, err := s.stmt(ctx, in, s.settleStmt).ExecContext(ctx, string(p.State), resp, nullTime(p.Expires), p.Now.UnixNano(), p.Scope, p.Key, p.Token)
 	if err != nil {
 		return false, err
 	}
@@ -327,14 +367,14 @@ func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) erro
 		return err
 	}
 	p.Repeat = false // the caller's writes in tx must never commit twice
-	return translate("finish", s.finish(ctx, stx, p))
+	return translate("finish", s.finish(ctx, &txn{tx: stx}, p))
 }
 
 // write runs fn in a write transaction and returns once that transaction is
 // committed (or failed). Writes are group-committed ([store.Batcher]): the
 // writes that arrive while a transaction commits wait for it, and the next
 // transaction runs them all, each in turn, with one fsync for all of them.
-func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *sql.Tx) error) error {
+func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *txn) error) error {
 	return translate(op, s.writes.Do(ctx, fn))
 }
 
@@ -342,7 +382,7 @@ func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *
 // reported failed and the transaction is run again without it, so that what
 // commits is exactly the writes reported done, each applied to what the ones
 // before it left.
-func (s *Store) commit(ctx context.Context, writes []func(context.Context, *sql.Tx) error) []error {
+func (s *Store) commit(ctx context.Context, writes []func(context.Context, *txn) error) []error {
 	errs := make([]error, len(writes))
 	run := make([]int, len(writes)) // the writes still to run, by index
 	for i := range run {
@@ -362,40 +402,53 @@ func (s *Store) commit(ctx context.Context, writes []func(context.Context, *sql.
 	return errs
 }
 
-// try runs the writes in one transaction and commits it. When a write fails
-// it rolls back and returns that write's position in run and its error;
-// otherwise -1 and the transaction's error (nil once committed).
-func (s *Store) try(ctx context.Context, writes []func(context.Context, *sql.Tx) error, run []int) (int, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
+// try runs the writes in one transaction on the write connection and
+// commits it. When a write fails it rolls back and returns that write's
+// position in run and its error; otherwise -1 and the transaction's error
+// (nil once committed). The transaction's own statements are prepared, and
+// it is no database/sql transaction, which would cost a goroutine each.
+func (s *Store) try(ctx context.Context, writes []func(context.Context, *txn) error, run []int) (int, error) {
+	if _, err := s.beginStmt.ExecContext(ctx); err != nil {
 		return -1, err
 	}
+	in := &txn{conn: s.conn}
 	for pos, i := range run {
-		if err := writes[i](ctx, tx); err != nil {
-			tx.Rollback()
+		if err := writes[i](ctx, in); err != nil {
+			s.rollback()
 			return pos, err
 		}
 	}
-	return -1, tx.Commit()
+	// Not cut short: a commit reported failed must not have happened.
+	if _, err := s.commitStmt.ExecContext(context.WithoutCancel(ctx)); err != nil {
+		s.rollback()
+		return -1, err
+	}
+	return -1, nil
+}
+
+// rollback ends the write connection's transaction, if SQLite has not ended
+// it already (it does on some errors).
+func (s *Store) rollback() {
+	s.rollbackStmt.ExecContext(context.Background())
 }
 
 // update applies a transition to the record in a write of its own.
 func (s *Store) update(ctx context.Context, op, scope, key string, apply func(*store.Record) error) error {
-	return s.write(ctx, op, func(ctx context.Context, tx *sql.Tx) error {
-		return s.apply(ctx, tx, scope, key, apply)
+	return s.write(ctx, op, func(ctx context.Context, in *txn) error {
+		return s.apply(ctx, in, scope, key, apply)
 	})
 }
 
 // apply reads the record in tx, applies a transition and writes it back.
-func (s *Store) apply(ctx context.Context, tx *sql.Tx, scope, key string, apply func(*store.Record) error) error {
-	r, err := s.get(ctx, tx, scope, key)
+func (s *Store) apply(ctx context.Context, in *txn, scope, key string, apply func(*store.Record) error) error {
+	r, err := s.get(ctx, in, scope, key)
 	if err != nil {
 		return err
 	}
 	if err := apply(r); err != nil {
 		return err
 	}
-	return s.put(ctx, tx, r, true)
+	return s.put(ctx, in, r, true)
 }
 
 // Get implements [store.Store].
@@ -491,8 +544,8 @@ func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 		return 0, err
 	}
 	var n int64
-	err := s.write(ctx, "prune", func(ctx context.Context, tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, `DELETE FROM idem_records WHERE rowid IN (
+	err := s.write(ctx, "prune", func(ctx context.Context, in *txn) error {
+		res, err := in.conn.ExecContext(ctx, `DELETE FROM idem_records WHERE rowid IN (
 			SELECT rowid FROM idem_records
 			WHERE state IN ('completed', 'failed') AND expires <= ? LIMIT ?)`,
 			p.Now.UnixNano(), p.BatchSize())
@@ -505,17 +558,30 @@ func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	return int(n), err
 }
 
-// stmt is st for tx, or st itself outside a transaction.
-func (s *Store) stmt(ctx context.Context, tx *sql.Tx, st *sql.Stmt) *sql.Stmt {
-	if tx == nil {
+// A txn is where a write runs its statements: on the store's write
+// connection, in the transaction of a batch (conn), or in a caller's
+// transaction (tx, for FinishTx).
+type txn struct {
+	conn *sql.Conn
+	tx   *sql.Tx
+}
+
+// stmt is st as prepared where in runs, or st itself (on the pool) when in
+// is nil.
+func (s *Store) stmt(ctx context.Context, in *txn, st *sql.Stmt) *sql.Stmt {
+	switch {
+	case in == nil:
 		return st
+	case in.tx != nil:
+		return in.tx.StmtContext(ctx, st)
+	default:
+		return s.onConn[st]
 	}
-	return tx.StmtContext(ctx, st)
 }
 
 // get returns the stored row (in tx when given), or nil when there is none.
-func (s *Store) get(ctx context.Context, tx *sql.Tx, scope, key string) (*store.Record, error) {
-	r, err := scanRecord(s.stmt(ctx, tx, s.getStmt).QueryRowContext(ctx, scope, key))
+func (s *Store) get(ctx context.Context, in *txn, scope, key string) (*store.Record, error) {
+	r, err := scanRecord(s.stmt(ctx, in, s.getStmt).QueryRowContext(ctx, scope, key))
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, nil
 	}
@@ -524,12 +590,12 @@ func (s *Store) get(ctx context.Context, tx *sql.Tx, scope, key string) (*store.
 
 // put writes r: an INSERT when there was no row (exists false), else an
 // UPDATE in place, which writes fewer pages than a delete and insert.
-func (s *Store) put(ctx context.Context, tx *sql.Tx, r *store.Record, exists bool) error {
+func (s *Store) put(ctx context.Context, in *txn, r *store.Record, exists bool) error {
 	st := s.updateStmt
 	if !exists {
 		st = s.insertStmt
 	}
-	_, err := s.stmt(ctx, tx, st).ExecContext(ctx, rowArgs(r)...)
+	_, err := s.stmt(ctx, in, st).ExecContext(ctx, rowArgs(r)...)
 	return err
 }
 
