@@ -485,6 +485,22 @@ type write struct {
 	n          int64
 }
 
+// answer runs w's statement through row (when it returns a record) or exec,
+// and keeps what it answered.
+func (w *write) answer(row func() pgx.Row, exec func() (pgconn.CommandTag, error)) error {
+	if w.returns {
+		var err error
+		w.rec, err = scanRecord(row())
+		if w.noRow = errors.Is(err, pgx.ErrNoRows); w.noRow {
+			return nil
+		}
+		return err
+	}
+	tag, err := exec()
+	w.n = tag.RowsAffected()
+	return err
+}
+
 // exec runs an UPDATE whose first two arguments are a record's scope and
 // key, in tx when given, else as one of a batch, and returns the rows it
 // affected.
@@ -534,25 +550,18 @@ func (s *Store) batch(ctx context.Context, writes []*write) []error {
 // returns that write's position in run and its error; otherwise -1 and the
 // batch's error (nil once committed).
 func (s *Store) send(ctx context.Context, writes []*write, run []int) (int, error) {
+	if len(run) == 1 { // alone: one statement costs less than a batch
+		w := writes[run[0]]
+		return -1, w.answer(func() pgx.Row { return s.pool.QueryRow(ctx, w.sql, w.args...) },
+			func() (pgconn.CommandTag, error) { return s.pool.Exec(ctx, w.sql, w.args...) })
+	}
 	b := &pgx.Batch{}
 	for _, i := range run {
 		b.Queue(writes[i].sql, writes[i].args...)
 	}
 	res := s.pool.SendBatch(ctx, b)
 	for pos, i := range run {
-		w := writes[i]
-		var err error
-		if w.returns {
-			w.rec, err = scanRecord(res.QueryRow())
-			if w.noRow = errors.Is(err, pgx.ErrNoRows); w.noRow {
-				err = nil
-			}
-		} else {
-			var tag pgconn.CommandTag
-			tag, err = res.Exec()
-			w.n = tag.RowsAffected()
-		}
-		if err != nil {
+		if err := writes[i].answer(res.QueryRow, res.Exec); err != nil {
 			res.Close()
 			if _, ok := errors.AsType[*pgconn.PgError](err); ok {
 				return pos, err

@@ -688,9 +688,15 @@ func (s *Store) run(ctx context.Context, script *redis.Script, keys []string, ar
 	return c.res, nil
 }
 
-// pipeline runs a batch of calls in one pipeline (runScripts) and sets each
-// one's result.
+// pipeline runs a batch of calls in one pipeline (runScripts), or a lone
+// call on its own, and sets each one's result.
 func (s *Store) pipeline(ctx context.Context, calls []*scriptCall) []error {
+	if len(calls) == 1 { // alone: a plain call costs less than a pipeline
+		c := calls[0]
+		var err error
+		c.res, err = c.script.Run(ctx, s.client, c.keys, c.args...).Result()
+		return []error{err}
+	}
 	cmds := s.runScripts(ctx, nil, calls)
 	errs := make([]error, len(calls))
 	for i, cmd := range cmds {
