@@ -57,14 +57,19 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 			e.local.Notify(ctx, p.Scope, p.Key) // somebody else polls from now on
 		}
 	}()
+	// The poller hears of other instances' completions, subscribed before
+	// the lookup that decides to wait: a completion after that lookup wakes
+	// it, one before it is what the lookup finds.
 	var remote <-chan struct{}
-	for {
-		out, err, ok := e.awaitStep(ctx, p, g, &polling)
-		if polling && remote == nil && e.notifier != nil {
-			var cancelRemote func()
+	cancelRemote := func() {}
+	defer func() { cancelRemote() }()
+	subscribe := func() {
+		if remote == nil && e.notifier != nil {
 			remote, cancelRemote = e.notifier.Subscribe(p.Scope, p.Key)
-			defer cancelRemote()
 		}
+	}
+	for {
+		out, err, ok := e.awaitStep(ctx, p, g, &polling, subscribe)
 		if ok && (err != nil || out.Decision != InFlight) {
 			return out, err
 		}
@@ -95,9 +100,10 @@ func (e *Engine) Waiting(scope, key string) int { return e.local.waiters.Len(Key
 
 // awaitStep decides once for a member of g: from what this process knows
 // (an outcome in the cache, work running here), or else from the store if
-// the member is, or becomes, the one that polls, or else from the poller's
-// latest answer (ok is false while there is none).
-func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, polling *bool) (out Outcome, err error, ok bool) {
+// the member is, or becomes, the one that polls (subscribed first, so that
+// no completion falls between its lookup and its subscription), or else from
+// the poller's latest answer (ok is false while there is none).
+func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, polling *bool, subscribe func()) (out Outcome, err error, ok bool) {
 	if out, ok := e.known(p, true); ok {
 		return out, nil, true
 	}
@@ -111,6 +117,7 @@ func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, pol
 		}
 	}
 	*polling = true
+	subscribe()
 	out, err = e.Begin(ctx, p)
 	if err != nil || out.Decision != Execute {
 		e.waits.publish(g, out, err)

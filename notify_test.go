@@ -119,3 +119,59 @@ func TestAwaitWokenByOtherInstance(t *testing.T) {
 		t.Fatalf("waiter on the other instance got %v, want the replay", out.Decision)
 	}
 }
+
+// announcing is a sharedNotifier that says when it has announced.
+type announcing struct {
+	sharedNotifier
+	announced chan struct{}
+}
+
+func (n *announcing) Notify(ctx context.Context, scope, key string) error {
+	n.sharedNotifier.Notify(ctx, scope, key)
+	select {
+	case n.announced <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// completeDuringLookup is a store whose second Acquire answers with what it
+// read before another instance completed the record and announced it: the
+// completion lands while the lookup's answer is on its way back.
+type completeDuringLookup struct {
+	idem.Store
+	calls    int
+	complete func()
+}
+
+func (s *completeDuringLookup) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
+	r, err := s.Store.Acquire(ctx, p)
+	if s.calls++; s.calls == 2 {
+		s.complete()
+	}
+	return r, err
+}
+
+// TestAwaitHearsACompletionDuringItsLookup: a waiter must be woken by a
+// completion announced while its lookup was on the way, even with an hour
+// between polls. (It waited for the next poll when it subscribed only after
+// that lookup.)
+func TestAwaitHearsACompletionDuringItsLookup(t *testing.T) {
+	shared := memstore.New()
+	announced := make(chan struct{}, 1)
+	n := &announcing{announced: announced}
+	first, l := awaitSetup(t, idem.Config{Store: shared, Notifier: n})
+	racy := &completeDuringLookup{Store: shared, complete: func() {
+		if err := first.Complete(ctx, l, &idem.Response{Status: 200}); err != nil {
+			t.Error(err)
+		}
+		wait.Recv(t, announced, 10*time.Second, "the completion to be announced")
+	}}
+	second, err := idem.New(idem.Config{Store: racy, Notifier: n, Poll: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out := wait.Recv(t, await(second, time.Minute), 10*time.Second, "the waiter to be woken"); out.Decision != idem.Replay {
+		t.Fatalf("waiter got %v, want the replay", out.Decision)
+	}
+}
