@@ -160,3 +160,27 @@ func (b *Batcher[T]) Queued() int {
 	}
 	return n
 }
+
+// Isolate runs the operations numbered in run (each number below len(run))
+// with try, which runs those it is given, in that order, as one attempt (a
+// transaction) and returns the position in its argument of the first that
+// failed on its own, whose attempt then did nothing, or -1 and the attempt's
+// error (nil: all done). The one that failed gets its error and the others
+// are tried again without it, so that what is done is exactly what is
+// reported done. It returns each operation's error, by number.
+func Isolate(run []int, try func(run []int) (failed int, err error)) []error {
+	errs := make([]error, len(run))
+	run = slices.Clone(run)
+	for len(run) > 0 {
+		failed, err := try(run)
+		if failed < 0 {
+			for _, i := range run {
+				errs[i] = err
+			}
+			break
+		}
+		errs[run[failed]] = err
+		run = slices.Delete(run, failed, failed+1)
+	}
+	return errs
+}

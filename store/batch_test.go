@@ -171,3 +171,30 @@ func TestBatcherCallerGivesUpWhileItsBatchRuns(t *testing.T) {
 	}
 	wait.Recv(t, cancelled, 10*time.Second, "the abandoned batch to be cancelled")
 }
+
+// TestIsolate: an operation that fails on its own is reported and the
+// others are tried again without it, in their order; what the last attempt
+// answers is everyone's left.
+func TestIsolate(t *testing.T) {
+	bad := map[int]error{2: errors.New("op 2"), 4: errors.New("op 4")}
+	var attempts [][]int
+	errs := store.Isolate([]int{4, 3, 2, 1, 0}, func(run []int) (int, error) {
+		attempts = append(attempts, slices.Clone(run))
+		for pos, i := range run {
+			if bad[i] != nil {
+				return pos, bad[i]
+			}
+		}
+		return -1, nil
+	})
+	if want := [][]int{{4, 3, 2, 1, 0}, {3, 2, 1, 0}, {3, 1, 0}}; fmt.Sprint(attempts) != fmt.Sprint(want) {
+		t.Fatalf("attempts %v, want %v", attempts, want)
+	}
+	if want := []error{nil, nil, bad[2], nil, bad[4]}; fmt.Sprint(errs) != fmt.Sprint(want) {
+		t.Fatalf("errors %v, want %v", errs, want)
+	}
+	whole := errors.New("connection lost")
+	if errs := store.Isolate([]int{0, 1}, func([]int) (int, error) { return -1, whole }); errs[0] != whole || errs[1] != whole {
+		t.Fatalf("a failed attempt gave %v, want its error for every operation", errs)
+	}
+}

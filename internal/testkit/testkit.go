@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 )
 
@@ -179,4 +180,25 @@ func Measure(b *testing.B, roundTrips func() int64, op func(i int)) {
 		b.ReportMetric(float64(roundTrips()-start)/float64(ops), "roundtrips/op")
 	}
 	b.ReportMetric(float64(ops)/b.Elapsed().Seconds(), "ops/s")
+}
+
+// Queue starts calls that queue behind a batch that is still running, one
+// at a time, each once the one before it is queued (by Waiting, the count of
+// queued calls), so that they queue in the order they were added; each
+// call's result goes to Results (set it) under its name.
+type Queue struct {
+	T       testing.TB
+	Waiting func() int
+	Results map[string]chan error
+}
+
+// Add starts call under name and returns once it is queued (or fails the
+// test after 10 s).
+func (q *Queue) Add(name string, call func() error) {
+	q.T.Helper()
+	ch := make(chan error, 1)
+	q.Results[name] = ch
+	want := q.Waiting() + 1
+	go func() { ch <- call() }()
+	wait.Until(q.T, 10*time.Second, name+" to queue", func() bool { return q.Waiting() == want })
 }

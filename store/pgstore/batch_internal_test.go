@@ -78,15 +78,8 @@ func TestBatch(t *testing.T) {
 		return err == nil && waiting
 	})
 
-	results := map[string]chan error{}
-	queue := func(name string, call func() error) {
-		t.Helper()
-		ch := make(chan error, 1)
-		results[name] = ch
-		want := s.writes.Queued() + 1
-		go func() { ch <- call() }()
-		wait.Until(t, 10*time.Second, name+" to queue", func() bool { return s.writes.Queued() == want })
-	}
+	q := &testkit.Queue{T: t, Waiting: s.writes.Queued, Results: map[string]chan error{}}
+	queue, results := q.Add, q.Results
 	queue("acquire c", func() error { _, err := s.Acquire(bg, acquire("c", "tok-c")); return err })
 	queue("acquire a", func() error { _, err := s.Acquire(bg, acquire("a", "tok-a")); return err })
 	queue("complete a", func() error { return s.Finish(bg, complete("a", "tok-a")) })

@@ -524,26 +524,14 @@ func (s *Store) exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (i
 // writes reported done. A failure that is not the statement's (a connection
 // lost) is every write's.
 func (s *Store) batch(ctx context.Context, writes []*write) []error {
-	errs := make([]error, len(writes))
-	run := make([]int, len(writes)) // the writes still to run, by index
+	run := make([]int, len(writes))
 	for i := range run {
 		run[i] = i
 	}
 	slices.SortStableFunc(run, func(a, b int) int {
 		return cmp.Or(strings.Compare(writes[a].scope, writes[b].scope), strings.Compare(writes[a].key, writes[b].key))
 	})
-	for len(run) > 0 {
-		failed, err := s.send(ctx, writes, run)
-		if failed < 0 { // committed, or the batch failed as a whole
-			for _, i := range run {
-				errs[i] = err
-			}
-			break
-		}
-		errs[run[failed]] = err
-		run = slices.Delete(run, failed, failed+1)
-	}
-	return errs
+	return store.Isolate(run, func(run []int) (int, error) { return s.send(ctx, writes, run) })
 }
 
 // send runs the writes in run as one batch. When a statement fails it

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 )
@@ -46,15 +47,8 @@ func TestGroupCommit(t *testing.T) {
 		})
 	}()
 	wait.Recv(t, running, 10*time.Second, "the holding transaction to run")
-	results := map[string]chan error{}
-	queue := func(name string, call func() error) {
-		t.Helper()
-		ch := make(chan error, 1)
-		results[name] = ch
-		want := s.writes.Queued() + 1
-		go func() { ch <- call() }()
-		wait.Until(t, 10*time.Second, name+" to queue", func() bool { return s.writes.Queued() == want })
-	}
+	q := &testkit.Queue{T: t, Waiting: s.writes.Queued, Results: map[string]chan error{}}
+	queue, results := q.Add, q.Results
 	queue("acquire a", func() error { _, err := s.Acquire(bg, acquire("a", "tok-a")); return err })
 	queue("complete a", func() error { return s.Finish(bg, complete("a", "tok-a")) })
 	queue("complete b", func() error { return s.Finish(bg, complete("b", "tok-b")) }) // never acquired: refused

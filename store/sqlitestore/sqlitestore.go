@@ -383,23 +383,11 @@ func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *
 // commits is exactly the writes reported done, each applied to what the ones
 // before it left.
 func (s *Store) commit(ctx context.Context, writes []func(context.Context, *txn) error) []error {
-	errs := make([]error, len(writes))
-	run := make([]int, len(writes)) // the writes still to run, by index
+	run := make([]int, len(writes))
 	for i := range run {
 		run[i] = i
 	}
-	for len(run) > 0 {
-		failed, err := s.try(ctx, writes, run)
-		if failed < 0 { // committed, or the transaction failed as a whole
-			for _, i := range run {
-				errs[i] = err
-			}
-			break
-		}
-		errs[run[failed]] = err
-		run = slices.Delete(run, failed, failed+1)
-	}
-	return errs
+	return store.Isolate(run, func(run []int) (int, error) { return s.try(ctx, writes, run) })
 }
 
 // try runs the writes in one transaction on the write connection and
