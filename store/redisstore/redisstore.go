@@ -59,8 +59,9 @@
 // 1, get 1 (HGETALL). Scripts that callers run at the same time share round
 // trips: those that come while pipelines are on their way go in the next
 // one ([store.Batcher]; up to 4 pipelines at once), one network write and
-// read for all of them, each script still atomic on its own. A scan page costs 2 pipelined round trips when nothing changes
-// under it: one pipeline runs a range script on the pending set of every
+// read for all of them, each script still atomic on its own.
+//
+// A scan page costs 2 pipelined round trips when nothing changes under it: one pipeline runs a range script on the pending set of every
 // shard from the cursor's on (each returns at most Limit+1 members whose
 // score is due), and one fetches those records (HGETALL each); records that
 // settle or vanish between the two cost another pair. On Cluster a pipeline
@@ -667,7 +668,7 @@ func (s *Store) fetch(ctx context.Context, op string, recs []string) ([]*store.R
 }
 
 // A scriptCall is a script to run on keys with args; script nil is the
-// script of the runScripts call. A pipeline sets res and err.
+// script of the runScripts call. A pipeline sets res, its result.
 type scriptCall struct {
 	script *redis.Script
 	keys   []string
