@@ -63,8 +63,9 @@
 //
 // A scan page costs 2 pipelined round trips when nothing changes under it:
 // one pipeline runs a range script on the pending set of every shard from
-// the cursor's on (each returns at most Limit+1 members whose score is due), and one fetches those records (HGETALL each); records that
-// settle or vanish between the two cost another pair. On Cluster a pipeline
+// the cursor's on (each returns at most Limit+1 members whose score is due),
+// and one fetches those records (HGETALL each); records that settle or
+// vanish between the two cost another pair. On Cluster a pipeline
 // goes to every node concurrently. The first run of a script on a server
 // that has not cached it costs one more round trip (EVALSHA answers
 // NOSCRIPT, then EVAL).
