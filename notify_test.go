@@ -165,7 +165,11 @@ func TestAwaitHearsACompletionDuringItsLookup(t *testing.T) {
 		if err := first.Complete(ctx, l, &idem.Response{Status: 200}); err != nil {
 			t.Error(err)
 		}
-		wait.Recv(t, announced, 10*time.Second, "the completion to be announced")
+		select { // on the waiter's goroutine: t.Error, not t.Fatal
+		case <-announced:
+		case <-time.After(10 * time.Second):
+			t.Error("waited 10s for the completion to be announced; it was not")
+		}
 	}}
 	second, err := idem.New(idem.Config{Store: racy, Notifier: n, Poll: time.Hour})
 	if err != nil {

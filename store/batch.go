@@ -116,26 +116,25 @@ func (b *Batcher[T]) runQueued() {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var waiting atomic.Int32
-	var abandoned atomic.Bool // every caller gave up, and the batch was cancelled
 	waiting.Store(int32(len(batch)))
 	ops := make([]T, len(batch))
 	for i, w := range batch {
 		ops[i] = w.op
 		stop := context.AfterFunc(w.ctx, func() {
 			if waiting.Add(-1) == 0 {
-				abandoned.Store(true)
-				cancel()
+				cancel() // every caller gave up
 			}
 		})
 		defer stop()
 	}
 	errs := []error(nil)
 	defer func() { // also when Run panics: no caller is left waiting
+		abandoned := ctx.Err() != nil // before the deferred cancel: only every caller's giving up cancels it
 		for i, w := range batch {
 			switch {
 			case i >= len(errs):
 				w.err = fmt.Errorf("store: batch: %d results for %d operations", len(errs), len(batch))
-			case errs[i] != nil && abandoned.Load():
+			case errs[i] != nil && abandoned:
 				// Cut short because its caller gave up: the caller's own
 				// reason (its deadline, or its cancellation).
 				w.err = w.ctx.Err()
