@@ -81,18 +81,21 @@ func newStore(tb testing.TB) (*pgstore.Store, string) {
 }
 
 // queryCounter is a pgx QueryTracer and BatchTracer that counts the
-// statements sent (each Query, QueryRow or Exec is one, and each statement
-// of a batch).
-type queryCounter struct{ n atomic.Int64 }
+// statements sent (n: each Query, QueryRow or Exec is one, and each
+// statement of a batch) and the round trips (trips: a statement alone, or a
+// batch).
+type queryCounter struct{ n, trips atomic.Int64 }
 
 func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	c.n.Add(1)
+	c.trips.Add(1)
 	return ctx
 }
 
 func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 func (c *queryCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.trips.Add(1)
 	return ctx
 }
 

@@ -76,7 +76,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 
 	schema := pgx.Identifier{s.schema}.Sanitize()
 	table := pgx.Identifier{s.schema, "migrations"}.Sanitize()
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey(s.schema)); err != nil {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey("migrate", s.schema)); err != nil {
 		return translate("migrate", err)
 	}
 	var exists bool
@@ -116,9 +116,10 @@ func (s *Store) Migrate(ctx context.Context) error {
 	return nil
 }
 
-// lockKey is the advisory lock that serialises migrations of one schema.
-func lockKey(schema string) int64 {
+// lockKey is the advisory lock that serialises the work named what (migrate,
+// records_due) on one schema.
+func lockKey(what, schema string) int64 {
 	h := fnv.New64a()
-	h.Write([]byte("github.com/idemhq/idem/store/pgstore migrate\x00" + schema))
+	h.Write([]byte("github.com/idemhq/idem/store/pgstore " + what + "\x00" + schema))
 	return int64(h.Sum64())
 }

@@ -6,8 +6,8 @@
 //
 // # Schema
 //
-// One table, <schema>.records (the schema is [Config.Schema]), created by the
-// embedded migrations, which [New] applies unless told not to:
+// The records are in <schema>.records (the schema is [Config.Schema]), created
+// by the embedded migrations, which [New] applies unless told not to:
 //
 //	scope text, key text             PRIMARY KEY (scope, key), COLLATE "C"; the key as sent, never hashed
 //	state text                       in_progress | completed | failed | unknown (CHECK)
@@ -20,12 +20,24 @@
 //	expires timestamptz              NULL while in_progress or unknown
 //	checkpoints bytea                store.AppendCheckpoint lines, oldest first; NULL when there are none
 //
-// with a partial index on expires over the settled records (prune) and a
-// partial index on (scope, key) over the unsettled ones (scan). Applied
-// migrations are listed in <schema>.migrations:
+// Its only index is the primary key, so that a complete, which changes state,
+// response and expires, is a HOT update: the row is rewritten in its page, no
+// index entry is written, and the WAL is the least PostgreSQL can write. What
+// the reconciler's scan and the pruner look up lives in <schema>.records_due,
+// an UNLOGGED table (it writes no WAL) that triggers on records keep in step
+// in the same transaction: one row per record, its expiry, NULL while the
+// record is unsettled, with a partial index on (scope, key) over the
+// unsettled rows (scan) and one on expires over the others (prune).
+// PostgreSQL empties an unlogged table after a crash and on a promoted
+// standby; its row (”, ”) says it is whole, every scan and prune checks for
+// it in the same round trip, and when it is missing the store rebuilds the
+// table from records before answering. Applied migrations are listed in
+// <schema>.migrations:
 //
 //	001_records.sql      the table and its indexes
 //	002_checkpoints.sql  the checkpoints column
+//	003_records_due.sql  records_due and its triggers; the two partial indexes
+//	                     of records dropped
 //
 // # Round trips
 //
@@ -45,9 +57,9 @@
 //	checkpoint     1  (UPDATE … SET checkpoints = checkpoints || $n … WHERE token = $n)
 //	complete       1  (UPDATE … WHERE token = $n; or inside the caller's transaction with FinishTx)
 //	get            1
-//	scan           1 per page (keyset pagination on scope, key)
+//	scan           1 per page (keyset pagination on scope, key; the check of records_due with it)
 //	list           1 per page (keyset pagination on scope, key; filters read the table)
-//	prune          1 per batch
+//	prune          1 per batch (the check of records_due with it)
 //
 // The first use of a statement on a pooled connection also prepares it (pgx's
 // statement cache), which is paid once per connection, not per call. Acquire
@@ -89,7 +101,9 @@
 //	RawSelect        SELECT by primary key              94 000   10 612  1   idem/raw 1.50
 //
 // A new key costs what its two commits cost (each waits for an fsync, shared
-// by the writes of a batch under concurrency); the store adds the CTE, the CHECKs and two small partial indexes. A replay is
+// by the writes of a batch under concurrency); the store adds the CTE and the
+// CHECKs (and, since these figures were taken, the triggers that keep
+// records_due). A replay is
 // one statement that reads one row and writes nothing, so its commit writes no
 // WAL; what it adds over a bare SELECT is starting an INSERT that inserts
 // nothing (the executor opens the table's indexes for ON CONFLICT) and
@@ -154,6 +168,7 @@ type Store struct {
 	schema string // as configured, unquoted
 
 	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, listSQL, pruneSQL string
+	dueWholeSQL, dueRebuildSQL                                                         string
 
 	// writes sends the writes that callers make at the same time as one
 	// batch: one round trip and one transaction (one commit) for all.
@@ -174,8 +189,8 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if len(schema) > maxIdentifierLen || strings.IndexByte(schema, 0) >= 0 {
 		return nil, fmt.Errorf("pgstore: %w: schema name must be 1 to %d bytes without NUL", store.ErrInvalid, maxIdentifierLen)
 	}
-	table := pgx.Identifier{schema, "records"}.Sanitize()
-	sub := func(sql string) string { return strings.ReplaceAll(sql, "{{table}}", table) }
+	sub := strings.NewReplacer("{{table}}", pgx.Identifier{schema, "records"}.Sanitize(),
+		"{{due}}", pgx.Identifier{schema, "records_due"}.Sanitize()).Replace
 	s := &Store{
 		pool:          cfg.Pool,
 		schema:        schema,
@@ -187,6 +202,8 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		scanSQL:       sub(scanSQL),
 		listSQL:       sub(listSQL),
 		pruneSQL:      sub(pruneSQL),
+		dueWholeSQL:   sub(dueWholeSQL),
+		dueRebuildSQL: sub(dueRebuildSQL),
 	}
 	s.writes.Run = s.batch
 	s.writes.Runners = max(1, int(cfg.Pool.Config().MaxConns)/2) // the rest for reads, scans and listeners
@@ -302,15 +319,19 @@ const getSQL = `
 SELECT ` + columns + ` FROM {{table}}
 WHERE scope = $1 AND key = $2 AND (expires IS NULL OR expires > $3)`
 
-// scanSQL returns a page of stale records after the cursor (scope, key). The
-// state IN list matches the scan index's predicate. Keys are never empty, so
-// the cursor made of an empty scope and an empty key starts before every record.
-const scanSQL = `
-SELECT ` + columns + ` FROM {{table}}
-WHERE state IN ('in_progress', 'unknown')
-	AND (state = 'unknown' OR lease_expires <= $1)
-	AND (scope, key) > ($2, $3)
-ORDER BY scope, key
+// scanSQL returns a page of stale records after the cursor (scope, key),
+// walking the unsettled rows of records_due in key order and reading each
+// record by its primary key; the state is checked on the record, since
+// records_due may hold a row that is no longer true after it was rebuilt
+// (see dueRebuildSQL). Keys are never empty, so the cursor made of an empty
+// scope and an empty key starts after records_due's row (”, ”) and before
+// every record.
+var scanSQL = `
+SELECT ` + qualified("r", columns) + ` FROM {{due}} d JOIN {{table}} r ON r.scope = d.scope AND r.key = d.key
+WHERE d.expires IS NULL AND (d.scope, d.key) > ($2, $3)
+	AND r.state IN ('in_progress', 'unknown')
+	AND (r.state = 'unknown' OR r.lease_expires <= $1)
+ORDER BY d.scope, d.key
 LIMIT $4`
 
 // listSQL returns a page of the live records that match a filter, after
@@ -328,18 +349,46 @@ ORDER BY scope, key
 LIMIT $9`
 
 // pruneSQL deletes a batch of settled records that expired at or before $1.
-// The inner SELECT finds them on the prune index and locks them, skipping rows
-// that another pruner or an acquirer holds; under READ COMMITTED the lock
-// re-checks the condition on the latest version of each row, so a record
-// re-created meanwhile is skipped, and once locked nobody can change it before
-// the DELETE, which finds the rows by ctid (a TID scan: no second index walk).
+// The inner SELECT finds them through records_due's expiry index, checks
+// each on the record itself and locks it, skipping rows that another pruner
+// or an acquirer holds; under READ COMMITTED the lock re-checks the condition
+// on the latest version of each row, so a record re-created meanwhile is
+// skipped, and once locked nobody can change it before the DELETE, which
+// finds the rows by ctid (a TID scan: no second index walk). The trigger
+// deletes their rows of records_due.
 const pruneSQL = `
 DELETE FROM {{table}}
 WHERE ctid = ANY (ARRAY(
-	SELECT ctid FROM {{table}}
-	WHERE state IN ('completed', 'failed') AND expires <= $1
+	SELECT r.ctid FROM {{due}} d JOIN {{table}} r ON r.scope = d.scope AND r.key = d.key
+	WHERE d.expires <= $1 AND r.state IN ('completed', 'failed') AND r.expires <= $1
 	LIMIT $2
-	FOR UPDATE SKIP LOCKED))`
+	FOR UPDATE OF r SKIP LOCKED))`
+
+// dueWholeSQL tells whether records_due holds its row (”, ”), which
+// dueRebuildSQL writes last: PostgreSQL empties an unlogged table after a
+// crash, and the migration that creates it leaves it empty.
+const dueWholeSQL = `SELECT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')`
+
+// dueRebuildSQL fills records_due from records, and writes (”, ”) to say
+// that it is whole, unless a rebuild has done so already. It runs while
+// records are written: the triggers of a write that commits after its
+// snapshot either find the row it wrote and update it, or write theirs first
+// and it leaves them alone, so every row ends true, save one case: a record
+// deleted after the snapshot whose row the rebuild then writes. Such a row
+// names no record and is skipped by scans and prunes, which join records.
+const dueRebuildSQL = `
+INSERT INTO {{due}} (scope, key, expires)
+SELECT scope, key, expires FROM {{table}}
+WHERE NOT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')
+UNION ALL
+SELECT '', '', NULL
+ON CONFLICT (scope, key) DO NOTHING`
+
+// qualified prefixes each name of a comma-separated list of columns with
+// the table alias a.
+func qualified(a, columns string) string {
+	return a + "." + strings.ReplaceAll(columns, ", ", ", "+a+".")
+}
 
 // Pool returns the store's connection pool, for an application that keeps
 // its own tables beside the records and settles records in its own
@@ -582,7 +631,7 @@ func (s *Store) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult,
 	if err := store.Ready(ctx, "pgstore", "scan", p); err != nil {
 		return store.ScanResult{}, err
 	}
-	return s.page(ctx, "scan", s.scanSQL, p.Cursor, p.PageSize(), p.Now)
+	return s.page(ctx, "scan", s.scanSQL, p.Cursor, p.PageSize(), true, p.Now)
 }
 
 // List implements [store.Store] with one SELECT per page: the matching
@@ -602,12 +651,14 @@ func (s *Store) List(ctx context.Context, p store.ListParams) (store.ScanResult,
 	if !p.CreatedBefore.IsZero() {
 		before = &p.CreatedBefore
 	}
-	return s.page(ctx, "list", s.listSQL, p.Cursor, p.PageSize(), p.Now, states, p.ScopePrefix, p.KeyPrefix, from, before)
+	return s.page(ctx, "list", s.listSQL, p.Cursor, p.PageSize(), false, p.Now, states, p.ScopePrefix, p.KeyPrefix, from, before)
 }
 
 // page runs query, whose last three parameters are the cursor's scope and
-// key and a limit, and returns up to size of its records.
-func (s *Store) page(ctx context.Context, op, query, cursor string, size int, args ...any) (store.ScanResult, error) {
+// key and a limit, and returns up to size of its records. When due, query
+// reads records_due: it runs behind the check that records_due is whole, in
+// the same round trip, and once more after a rebuild when it was not.
+func (s *Store) page(ctx context.Context, op, query, cursor string, size int, due bool, args ...any) (store.ScanResult, error) {
 	afterScope, afterKey := "", ""
 	if cursor != "" {
 		f, err := store.DecodeCursor(cursor, "pgstore:"+s.schema, 2)
@@ -620,41 +671,107 @@ func (s *Store) page(ctx context.Context, op, query, cursor string, size int, ar
 	if fetch < math.MaxInt64 {
 		fetch++
 	}
-	rows, err := s.pool.Query(ctx, query, append(args, afterScope, afterKey, fetch)...)
-	if err != nil {
-		return store.ScanResult{}, translate(op, err)
-	}
-	defer rows.Close()
+	args = append(args, afterScope, afterKey, fetch)
 	var res store.ScanResult
-	for rows.Next() {
-		if len(res.Records) == size {
-			last := res.Records[len(res.Records)-1]
-			res.Cursor = store.EncodeCursor("pgstore:"+s.schema, last.Scope, last.Key)
-			break
-		}
-		r, err := scanRecord(rows)
+	read := func(rows pgx.Rows, err error) error {
 		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			if len(res.Records) == size {
+				last := res.Records[len(res.Records)-1]
+				res.Cursor = store.EncodeCursor("pgstore:"+s.schema, last.Scope, last.Key)
+				break
+			}
+			r, err := scanRecord(rows)
+			if err != nil {
+				return err
+			}
+			res.Records = append(res.Records, r)
+		}
+		rows.Close()
+		return rows.Err()
+	}
+	if !due {
+		if err := read(s.pool.Query(ctx, query, args...)); err != nil {
 			return store.ScanResult{}, translate(op, err)
 		}
-		res.Records = append(res.Records, r)
+		return res, nil
 	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
+	if err := s.dueChecked(ctx, query, args, func(b pgx.BatchResults) error { return read(b.Query()) },
+		func() error { res = store.ScanResult{}; return read(s.pool.Query(ctx, query, args...)) }); err != nil {
 		return store.ScanResult{}, translate(op, err)
 	}
 	return res, nil
 }
 
-// Prune implements [store.Store] with one DELETE per call.
+// Prune implements [store.Store] with one DELETE per call, behind the
+// check that records_due is whole, in the same round trip.
 func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 	if err := store.Ready(ctx, "pgstore", "prune", p); err != nil {
 		return 0, err
 	}
-	tag, err := s.pool.Exec(ctx, s.pruneSQL, p.Now, int64(p.BatchSize()))
-	if err != nil {
+	var n int64
+	exec := func(tag pgconn.CommandTag, err error) error {
+		n += tag.RowsAffected()
+		return err
+	}
+	limit := int64(p.BatchSize())
+	if err := s.dueChecked(ctx, s.pruneSQL, []any{p.Now, limit}, func(b pgx.BatchResults) error { return exec(b.Exec()) },
+		func() error {
+			if n == limit {
+				return nil
+			}
+			return exec(s.pool.Exec(ctx, s.pruneSQL, p.Now, limit-n))
+		}); err != nil {
 		return 0, translate("prune", err)
 	}
-	return int(tag.RowsAffected()), nil
+	return int(n), nil
+}
+
+// dueChecked sends dueWholeSQL and query, which reads records_due, in one
+// batch, and has read take query's result. When records_due was not whole,
+// it rebuilds it and has again run query once more: what query read or did
+// was true, but may fall short.
+func (s *Store) dueChecked(ctx context.Context, query string, args []any, read func(pgx.BatchResults) error, again func() error) error {
+	b := &pgx.Batch{}
+	b.Queue(s.dueWholeSQL)
+	b.Queue(query, args...)
+	res := s.pool.SendBatch(ctx, b)
+	var whole bool
+	err := res.QueryRow().Scan(&whole)
+	if err == nil {
+		err = read(res)
+	}
+	if cerr := res.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil || whole {
+		return err
+	}
+	if err := s.rebuildDue(ctx); err != nil {
+		return err
+	}
+	return again()
+}
+
+// rebuildDue fills records_due from records (dueRebuildSQL) under a lock
+// that makes concurrent rebuilders, in this process or another, wait for the
+// first rather than repeat its work.
+func (s *Store) rebuildDue(ctx context.Context) error {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // a no-op after Commit
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey("records_due", s.schema)); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, s.dueRebuildSQL); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }
 
 // scanRecord reads one row of columns.

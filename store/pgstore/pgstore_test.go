@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -395,13 +396,17 @@ func TestConcurrentNewMigratesOnce(t *testing.T) {
 			t.Fatalf("New #%d: %v", i, err)
 		}
 	}
-	for _, version := range []int{1, 2} {
+	files, err := filepath.Glob("migrations/*.sql")
+	if err != nil || len(files) < 3 {
+		t.Fatalf("migrations/*.sql = %v, %v", files, err)
+	}
+	for version := 1; version <= len(files); version++ {
 		if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")+" WHERE version = $1", version); v != 1 {
 			t.Fatalf("migration %d recorded %d times, want once", version, v)
 		}
 	}
-	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")); v != 2 {
-		t.Fatalf("%d migrations recorded, want 2", v)
+	if v := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "migrations")); v != len(files) {
+		t.Fatalf("%d migrations recorded, want %d", v, len(files))
 	}
 	// Migrating again changes nothing, and every store works on the one table.
 	if err := stores[0].Migrate(ctx); err != nil {
@@ -526,9 +531,15 @@ func TestMigrateUpgradesVersion1(t *testing.T) {
 	if err != nil || len(r.Checkpoints) != 1 || r.Checkpoints[0].Name != "authorize" || r.TakeoverSafe {
 		t.Fatalf("Get after Checkpoint = %+v, %v", r, err)
 	}
+	// Once its lease has run out, the reconciler's scan finds it, although
+	// it was written before records_due existed.
+	res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Hour)})
+	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "k" {
+		t.Fatalf("Scan after the upgrade = %+v, %v; want the old record", res, err)
+	}
 }
 
-// TestRoundTrips counts the statements each operation sends.
+// TestRoundTrips counts the statements and round trips of each operation.
 func TestRoundTrips(t *testing.T) {
 	t.Parallel()
 	_, schema := newStore(t) // migrates on the shared pool
@@ -537,34 +548,40 @@ func TestRoundTrips(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cost := func(what string, op func() error) {
+	cost := func(what string, statements, trips int64, op func() error) {
 		t.Helper()
-		before := counter.n.Load()
+		n, rt := counter.n.Load(), counter.trips.Load()
 		if err := op(); err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
-		if n := counter.n.Load() - before; n != 1 {
-			t.Fatalf("%s took %d queries, want 1", what, n)
+		if n, rt = counter.n.Load()-n, counter.trips.Load()-rt; n != statements || rt != trips {
+			t.Fatalf("%s took %d statements in %d round trips, want %d in %d", what, n, rt, statements, trips)
 		}
 	}
-	cost("Acquire of a new key", func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
+	cost("Acquire of a new key", 1, 1, func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
 	renew := store.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
-	cost("Renew", func() error { return s.Renew(ctx, renew) })
+	cost("Renew", 1, 1, func() error { return s.Renew(ctx, renew) })
 	checkpoint := store.CheckpointParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), Name: "authorize", Data: []byte("x")}
-	cost("Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
+	cost("Checkpoint", 1, 1, func() error { return s.Checkpoint(ctx, checkpoint) })
 	checkpoint.Now = t0.Add(1500 * time.Millisecond)
-	cost("second Checkpoint", func() error { return s.Checkpoint(ctx, checkpoint) })
-	cost("Finish", func() error { return s.Finish(ctx, completeParams("k", "tok", t0.Add(2*time.Second))) })
-	cost("Acquire that replays", func() error {
+	cost("second Checkpoint", 1, 1, func() error { return s.Checkpoint(ctx, checkpoint) })
+	cost("Finish", 1, 1, func() error { return s.Finish(ctx, completeParams("k", "tok", t0.Add(2*time.Second))) })
+	cost("Acquire that replays", 1, 1, func() error {
 		r, err := s.Acquire(ctx, acquireParams("k", "other", t0.Add(3*time.Second)))
 		if err == nil && r.State != idem.StateCompleted {
 			err = fmt.Errorf("state %v, want completed", r.State)
 		}
 		return err
 	})
-	cost("Get", func() error { _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
-	cost("Scan", func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
-	cost("Prune", func() error { _, err := s.Prune(ctx, store.PruneParams{Now: t0}); return err })
+	cost("Get", 1, 1, func() error { _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
+	// The first scan of a new schema finds records_due not yet filled
+	// (TestRecordsDueRebuilt): the check and the scan, then BEGIN, the lock,
+	// the rebuild, COMMIT, and the scan again. From then on a scan or a prune
+	// is the check and the statement, in one round trip.
+	cost("first Scan", 7, 6, func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
+	cost("Scan", 2, 1, func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
+	cost("Prune", 2, 1, func() error { _, err := s.Prune(ctx, store.PruneParams{Now: t0}); return err })
+	cost("List", 1, 1, func() error { _, err := s.List(ctx, store.ListParams{Now: t0}); return err })
 }
 
 // TestReplayWritesNothing: an acquire that returns the row as it is (a replay,
@@ -829,4 +846,101 @@ func TestFaults(t *testing.T) {
 		}
 		return s
 	})
+}
+
+// TestCompletesAreHOT: a complete updates the record in place (a HOT update:
+// no new index entries), which needs every index to leave the columns a
+// complete changes alone.
+func TestCompletesAreHOT(t *testing.T) {
+	t.Parallel()
+	_, schema := newStore(t) // migrates on the shared pool
+	// One connection, so that the statistics this backend has not yet
+	// reported can be flushed from it before they are read.
+	pool, _ := countingPool(t, 1)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 300
+	for i := range n {
+		key := fmt.Sprintf("k-%03d", i)
+		mustAcquire(t, s, acquireParams(key, "tok", t0))
+		if err := s.Finish(ctx, completeParams(key, "tok", t0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, "SELECT pg_stat_force_next_flush()"); err != nil {
+		t.Fatal(err)
+	}
+	var upd, hot int64
+	if err := pool.QueryRow(ctx, "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = $1::regclass",
+		table(schema, "records")).Scan(&upd, &hot); err != nil {
+		t.Fatal(err)
+	}
+	if upd != n || hot < n*9/10 {
+		t.Fatalf("%d of %d updates were HOT, want %d updates, at least 90%% HOT", hot, upd, n)
+	}
+}
+
+// TestRecordsDueRebuilt: PostgreSQL empties the unlogged records_due after a
+// crash (and on a promoted standby). The records written before are found
+// again by scans and prunes, and so are those written after the loss.
+func TestRecordsDueRebuilt(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	pool := sharedPool(t)
+	settle := func(key string, now time.Time) {
+		t.Helper()
+		mustAcquire(t, s, acquireParams(key, "tok", now))
+		if err := s.Finish(ctx, completeParams(key, "tok", now)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 3 {
+		settle(fmt.Sprintf("done-before-%d", i), t0)
+		mustAcquire(t, s, acquireParams(fmt.Sprintf("running-before-%d", i), "tok", t0))
+	}
+	if res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Minute)}); err != nil || len(res.Records) != 3 {
+		t.Fatalf("Scan before the loss = %+v, %v; want the 3 running records", res, err)
+	}
+
+	// What crash recovery does to an unlogged table: it is reset to empty.
+	if _, err := pool.Exec(ctx, "TRUNCATE "+table(schema, "records_due")); err != nil {
+		t.Fatal(err)
+	}
+	settle("done-after", t0)
+	mustAcquire(t, s, acquireParams("running-after", "tok", t0))
+
+	res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Minute)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, r := range res.Records {
+		keys = append(keys, r.Key)
+	}
+	if want := []string{"running-after", "running-before-0", "running-before-1", "running-before-2"}; !reflect.DeepEqual(keys, want) || res.Cursor != "" {
+		t.Fatalf("Scan after the loss = %v (cursor %q), want %v", keys, res.Cursor, want)
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "records_due")); n != 9 {
+		t.Fatalf("records_due holds %d rows after the rebuild, want 8 records and the mark", n)
+	}
+
+	if _, err := pool.Exec(ctx, "TRUNCATE "+table(schema, "records_due")); err != nil {
+		t.Fatal(err)
+	}
+	// A prune finds what is due whether or not records_due was whole, and
+	// never more than its limit: 3 of the 4 first, then the last.
+	for i, want := range []int{3, 1, 0} {
+		n, err := s.Prune(ctx, store.PruneParams{Now: t0.Add(time.Hour), Limit: 3})
+		if err != nil || n != want {
+			t.Fatalf("Prune %d after the loss = %d, %v; want %d", i, n, err, want)
+		}
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "records")+" WHERE state = 'completed'"); n != 0 {
+		t.Fatalf("%d completed records survived pruning", n)
+	}
+	if n := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "records_due")); n != 5 {
+		t.Fatalf("records_due holds %d rows after pruning, want the 4 running records and the mark", n)
+	}
 }
