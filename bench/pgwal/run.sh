@@ -1,6 +1,7 @@
 #!/bin/sh
 # WAL written per idempotency key on PostgreSQL, by table layout: idem's
-# records table as it is, the same table without its two partial indexes,
+# records table as store/pgstore's migrations make it (records), as it was
+# before migration 003 (idem), the same without its two partial indexes,
 # with its columns reordered, the leanest record without the indexes, and
 # the raw limit (scope, key, state, body). Each key is an INSERT and an
 # UPDATE in transactions of their own, as idem's acquire and complete are.
@@ -13,7 +14,10 @@ export PGOPTIONS="-c client_min_messages=warning"
 url=${1:-${IDEM_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test?sslmode=disable}}
 dir=$(dirname "$0")
 psql -q -X -v ON_ERROR_STOP=1 "$url" -f "$dir/tables.sql"
-for t in idem idem_no_partial idem_reordered lean_no_partial raw; do
+for m in "$dir"/../../store/pgstore/migrations/*.sql; do
+	sed 's/{{schema}}/idem_walcost/g' "$m" | psql -q -X -v ON_ERROR_STOP=1 "$url"
+done
+for t in records idem idem_no_partial idem_reordered lean_no_partial raw; do
 	psql -q -X -At -v ON_ERROR_STOP=1 -v tbl="$t" "$url" -f "$dir/load.sql"
 done
 psql -q -X "$url" -c 'DROP SCHEMA idem_walcost CASCADE'

@@ -1,6 +1,8 @@
 DROP SCHEMA IF EXISTS idem_walcost CASCADE;
 CREATE SCHEMA idem_walcost;
--- idem's records table and indexes (store/pgstore/migrations).
+-- idem's records table before migration 003: the prune and scan indexes on
+-- records itself. (run.sh applies the migrations as they are, in this schema,
+-- as the table records.)
 CREATE TABLE idem_walcost.idem (
 	scope text COLLATE "C" NOT NULL, key text COLLATE "C" NOT NULL, state text NOT NULL,
 	fingerprint text NOT NULL, token text NOT NULL, fence bigint NOT NULL,
