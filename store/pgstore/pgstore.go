@@ -20,9 +20,11 @@
 //	expires timestamptz              NULL while in_progress or unknown
 //	checkpoints bytea                store.AppendCheckpoint lines, oldest first; NULL when there are none
 //
-// Its only index is the primary key, so that a complete, which changes state,
-// response and expires, is a HOT update: the row is rewritten in its page, no
-// index entry is written, and the WAL is the least PostgreSQL can write. What
+// Its only index is the primary key, and inserts fill a page to 30%
+// (fillfactor), leaving the rest for the completed rows, so that a complete,
+// which changes state, response and expires, is a HOT update: the row is
+// rewritten in its page, no index entry is written, and the WAL is the least
+// PostgreSQL can write. What
 // the reconciler's scan and the pruner look up lives in <schema>.records_due,
 // an UNLOGGED table (it writes no WAL) that triggers on records keep in step
 // in the same transaction: one row per record, its expiry, NULL while the
@@ -37,7 +39,7 @@
 //	001_records.sql      the table and its indexes
 //	002_checkpoints.sql  the checkpoints column
 //	003_records_due.sql  records_due and its triggers; the two partial indexes
-//	                     of records dropped
+//	                     of records dropped; its fillfactor
 //
 // # Round trips
 //
