@@ -31,13 +31,19 @@ type Payload struct {
 // NewFingerprint computes the fingerprint of p with the current
 // [FingerprintVersion].
 func NewFingerprint(p Payload) Fingerprint {
+	const sumLen = 43 // base64.RawURLEncoding.EncodedLen(sha256.Size)
 	var b strings.Builder
+	b.Grow(len("v") + 3 + 4*(1+sumLen)) // one allocation: the fingerprint
 	b.WriteString("v")
 	b.WriteString(strconv.Itoa(FingerprintVersion))
-	for _, part := range [][]byte{[]byte(p.Method), []byte(p.Path), []byte(canonicalQuery(p.Query)), p.Body} {
-		sum := sha256.Sum256(part)
+	for _, sum := range [...][sha256.Size]byte{
+		sha256.Sum256([]byte(p.Method)), sha256.Sum256([]byte(p.Path)),
+		sha256.Sum256([]byte(canonicalQuery(p.Query))), sha256.Sum256(p.Body),
+	} {
+		var enc [sumLen]byte
+		base64.RawURLEncoding.Encode(enc[:], sum[:])
 		b.WriteByte('.')
-		b.WriteString(base64.RawURLEncoding.EncodeToString(sum[:]))
+		b.Write(enc[:])
 	}
 	return Fingerprint(b.String())
 }

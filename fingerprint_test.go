@@ -53,3 +53,22 @@ func TestFingerprint(t *testing.T) {
 		t.Errorf("Diff with garbage = %v, want [version]", got)
 	}
 }
+
+// TestFingerprintIsStable: stored records hold fingerprints computed by
+// earlier releases, so a version's algorithm must never change its output;
+// a retry after an upgrade would otherwise be refused as another payload.
+func TestFingerprintIsStable(t *testing.T) {
+	for _, c := range []struct {
+		p    idem.Payload
+		want idem.Fingerprint
+	}{
+		{idem.Payload{Method: "POST", Path: "/v1/charges", Query: "b=2&a=1", Body: []byte(`{"x":1}`)},
+			"v1.mu5rG832F9jjm7HytiTGjqM9651I4DZK6t7YNtPQApM.aE6MuWMmGL8OlO1mzZ5vBzMrtdsvFxgdswsdKACbwtk.joW-WMHDcqwp_nv6gNjdy9BKQDLHtRwcAm1nxVsasj8.UEG_H3E98gR4Q1PoL2pKU1kxy2Tx9LSlrq_8tyCRiyI"},
+		{idem.Payload{},
+			"v1.47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU.47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU.47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU.47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"},
+	} {
+		if got := idem.NewFingerprint(c.p); got != c.want {
+			t.Errorf("NewFingerprint(%+v) = %s, want %s", c.p, got, c.want)
+		}
+	}
+}

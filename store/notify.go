@@ -32,11 +32,11 @@ type Notifier interface {
 // middleware, the journal, the reconciler and the CLI), and Notifiers send it,
 // since a notification may be seen by every listener on a shared channel.
 func KeyHash(scope, key string) string {
-	h := sha256.New()
-	h.Write([]byte(scope))
-	h.Write([]byte{0})
-	h.Write([]byte(key))
-	return hex.EncodeToString(h.Sum(nil)[:16])
+	var buf [128]byte // on the stack unless the key is long
+	sum := sha256.Sum256(append(append(append(buf[:0], scope...), 0), key...))
+	var out [32]byte
+	hex.Encode(out[:], sum[:16])
+	return string(out[:])
 }
 
 // Waiters is a registry of channels waiting for records to be settled, by
