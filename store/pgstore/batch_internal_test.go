@@ -119,3 +119,61 @@ func TestBatch(t *testing.T) {
 		}
 	}
 }
+
+// TestRebuildOutlastsItsCaller: a rebuild of records_due that takes longer
+// than the scan that started it is not cut short with it: the scan answers
+// unavailable when its deadline passes, the rebuild goes on and commits, and
+// the scans after it find what records_due had lost. (The rebuild is held
+// back by its own advisory lock, which the test holds.)
+func TestRebuildOutlastsItsCaller(t *testing.T) {
+	bg := context.Background()
+	pool, err := pgxpool.New(bg, testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var b [8]byte
+	rand.Read(b[:])
+	schema := "idem_test_" + hex.EncodeToString(b[:])
+	defer pool.Exec(bg, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	s, err := New(bg, Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().UTC().Truncate(time.Microsecond)
+	if _, err := s.Acquire(bg, store.AcquireParams{Key: "stale", Fingerprint: "fp", Token: "tok", Now: now, LeaseExpires: now.Add(time.Second)}); err != nil {
+		t.Fatal(err)
+	}
+	// records_due as PostgreSQL leaves it after a crash: empty.
+	if _, err := pool.Exec(bg, "TRUNCATE "+pgx.Identifier{schema, "records_due"}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+
+	hold, err := pool.Acquire(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hold.Release()
+	lock := lockKey("records_due", schema)
+	if _, err := hold.Exec(bg, "SELECT pg_advisory_lock($1)", lock); err != nil {
+		t.Fatal(err)
+	}
+	scan := store.ScanParams{Now: now.Add(time.Minute)}
+	short, cancel := context.WithTimeout(bg, 300*time.Millisecond)
+	defer cancel()
+	if res, err := s.Scan(short, scan); !errors.Is(err, store.ErrUnavailable) {
+		t.Fatalf("Scan while records_due is rebuilt = %+v, %v; want ErrUnavailable", res, err)
+	}
+	if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+		t.Fatal(err)
+	}
+	wait.Until(t, 10*time.Second, "the rebuild to commit after its caller gave up", func() bool {
+		var whole bool
+		err := pool.QueryRow(bg, s.dueWholeSQL).Scan(&whole)
+		return err == nil && whole
+	})
+	res, err := s.Scan(bg, scan)
+	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "stale" {
+		t.Fatalf("Scan after the rebuild = %+v, %v; want the stale record", res, err)
+	}
+}
