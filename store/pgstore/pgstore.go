@@ -24,18 +24,18 @@
 // (fillfactor), leaving the rest for the completed rows, so that a complete,
 // which changes state, response and expires, is a HOT update: the row is
 // rewritten in its page, no index entry is written, and the WAL is the least
-// PostgreSQL can write. What
-// the reconciler's scan and the pruner look up lives in <schema>.records_due,
-// an UNLOGGED table (it writes no WAL) that triggers on records keep in step
-// in the same transaction: one row per record, its expiry, NULL while the
-// record is unsettled, with a partial index on (scope, key) over the
-// unsettled rows (scan) and one on expires over the others (prune).
-// PostgreSQL empties an unlogged table after a crash and on a promoted
-// standby; its row (”, ”) says it is whole, every scan and prune checks for
-// it in the same round trip, and when it is missing the store rebuilds the
-// table from records (about 13 µs a record here: 27 s for 2 million) and
-// answers once it is whole; a scan or prune whose deadline comes first is
-// unavailable, and the rebuild goes on. Applied migrations are listed in
+// PostgreSQL can write. What the reconciler's scan and the pruner look up
+// lives in <schema>.records_due, an UNLOGGED table (it writes no WAL) that
+// triggers on records keep in step in the same transaction: one row per
+// record, its expiry, NULL while the record is unsettled, with a partial
+// index on (scope, key) over the unsettled rows (scan) and one on expires
+// over the others (prune). PostgreSQL empties an unlogged table after a
+// crash and on a promoted standby; a mark (the row of the empty scope and
+// key, which no record has) says it is whole, every scan and prune checks
+// for it in the same round trip, and when it is missing the store rebuilds
+// the table from records (about 13 µs a record here: 27 s for 2 million)
+// and answers once it is whole; a scan or prune whose deadline comes first
+// is unavailable, and the rebuild goes on. Applied migrations are listed in
 // <schema>.migrations:
 //
 //	001_records.sql      the table and its indexes
@@ -336,7 +336,7 @@ WHERE scope = $1 AND key = $2 AND (expires IS NULL OR expires > $3)`
 // record by its primary key; the state is checked on the record, since
 // records_due may hold a row that is no longer true after it was rebuilt
 // (see dueRebuildSQL). Keys are never empty, so the cursor made of an empty
-// scope and an empty key starts after records_due's row (”, ”) and before
+// scope and an empty key starts after records_due's mark and before
 // every record.
 var scanSQL = `
 SELECT ` + qualified("r", columns) + ` FROM {{due}} d JOIN {{table}} r ON r.scope = d.scope AND r.key = d.key
@@ -376,12 +376,13 @@ WHERE ctid = ANY (ARRAY(
 	LIMIT $2
 	FOR UPDATE OF r SKIP LOCKED))`
 
-// dueWholeSQL tells whether records_due holds its row (”, ”), which
+// dueWholeSQL tells whether records_due holds its mark, the row of the
+// empty scope and key (no record has an empty key), which
 // dueRebuildSQL writes last: PostgreSQL empties an unlogged table after a
 // crash, and the migration that creates it leaves it empty.
 const dueWholeSQL = `SELECT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')`
 
-// dueRebuildSQL fills records_due from records, and writes (”, ”) to say
+// dueRebuildSQL fills records_due from records, and writes the mark to say
 // that it is whole, unless a rebuild has done so already. It runs while
 // records are written: the triggers of a write that commits after its
 // snapshot either find the row it wrote and update it, or write theirs first
