@@ -20,6 +20,9 @@ var servers = map[string]string{
 	"IDEM_TEST_REDIS_CLUSTER_ADDRS": "127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002",
 	"IDEM_TEST_MEMCACHED_ADDR":      "127.0.0.1:11211",
 	"IDEM_TEST_DYNAMODB_URL":        "http://127.0.0.1:8765",
+	// Not a server but PostgreSQL's server binaries, for the tests that run
+	// a server of their own to crash it.
+	"IDEM_TEST_PG_BINDIR": "/usr/lib/postgresql/15/bin",
 }
 
 // skipped counts the tests skipped for want of each variable.
