@@ -16,6 +16,33 @@ import (
 	"github.com/idemhq/idem/store"
 )
 
+// newStore returns a store in a schema of its own, dropped when the test
+// ends, on a pool of at most maxConns connections to the test server.
+func newStore(t *testing.T, maxConns int32) (*Store, *pgxpool.Pool, string) {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var b [8]byte
+	rand.Read(b[:])
+	schema := "idem_test_" + hex.EncodeToString(b[:])
+	t.Cleanup(func() {
+		pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+	s, err := New(context.Background(), Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, pool, schema
+}
+
 // TestBatch queues writes behind a batch that is still running (it waits
 // for an advisory lock the test holds) and checks that the one batch that
 // then runs them all applies each in its turn, reports each as it went, and
@@ -25,24 +52,7 @@ import (
 // which never runs.
 func TestBatch(t *testing.T) {
 	bg := context.Background()
-	cfg, err := pgxpool.ParseConfig(testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 3 // one batch at a time
-	pool, err := pgxpool.NewWithConfig(bg, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	var b [8]byte
-	rand.Read(b[:])
-	schema := "idem_test_" + hex.EncodeToString(b[:])
-	defer pool.Exec(bg, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-	s, err := New(bg, Config{Pool: pool, Schema: schema})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, pool, schema := newStore(t, 3) // one batch at a time
 	if s.writes.Runners != 1 {
 		t.Fatalf("%d runners on a pool of 3, want 1", s.writes.Runners)
 	}
@@ -59,7 +69,7 @@ func TestBatch(t *testing.T) {
 
 	// A batch that runs until the test lets go of an advisory lock (a
 	// number of this run's own).
-	lock := int64(b[0])<<16 | int64(b[1])<<8 | int64(b[2]) | 1<<30
+	lock := lockKey("TestBatch", schema) & (1<<31 - 1) // in pg_locks' objid whole
 	hold, err := pool.Acquire(bg)
 	if err != nil {
 		t.Fatal(err)
@@ -127,19 +137,7 @@ func TestBatch(t *testing.T) {
 // back by its own advisory lock, which the test holds.)
 func TestRebuildOutlastsItsCaller(t *testing.T) {
 	bg := context.Background()
-	pool, err := pgxpool.New(bg, testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	var b [8]byte
-	rand.Read(b[:])
-	schema := "idem_test_" + hex.EncodeToString(b[:])
-	defer pool.Exec(bg, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-	s, err := New(bg, Config{Pool: pool, Schema: schema})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, pool, schema := newStore(t, 4)
 	now := time.Now().UTC().Truncate(time.Microsecond)
 	if _, err := s.Acquire(bg, store.AcquireParams{Key: "stale", Fingerprint: "fp", Token: "tok", Now: now, LeaseExpires: now.Add(time.Second)}); err != nil {
 		t.Fatal(err)
