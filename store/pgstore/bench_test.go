@@ -27,12 +27,7 @@ type bench struct {
 
 func newBench(b *testing.B) bench {
 	b.Helper()
-	_, schema := newStore(b) // migrates on the shared pool
-	pool, counter := countingPool(b, 1)
-	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-	if err != nil {
-		b.Fatal(err)
-	}
+	s, schema, pool, counter := countedStore(b, 1)
 	return bench{store: s, schema: schema, pool: pool, counter: counter}
 }
 

@@ -127,5 +127,19 @@ func countingPool(tb testing.TB, maxConns int32) (*pgxpool.Pool, *queryCounter) 
 	return pool, c
 }
 
+// countedStore returns a store in a schema of its own (migrated on the
+// shared pool) on a pool of at most maxConns connections whose statements
+// the counter counts (countingPool).
+func countedStore(tb testing.TB, maxConns int32) (*pgstore.Store, string, *pgxpool.Pool, *queryCounter) {
+	tb.Helper()
+	_, schema := newStore(tb)
+	pool, counter := countingPool(tb, maxConns)
+	s, err := pgstore.New(context.Background(), pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return s, schema, pool, counter
+}
+
 // table returns the quoted name of a table in schema.
 func table(schema, name string) string { return pgx.Identifier{schema, name}.Sanitize() }

@@ -542,12 +542,7 @@ func TestMigrateUpgradesVersion1(t *testing.T) {
 // TestRoundTrips counts the statements and round trips of each operation.
 func TestRoundTrips(t *testing.T) {
 	t.Parallel()
-	_, schema := newStore(t) // migrates on the shared pool
-	pool, counter := countingPool(t, 1)
-	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, _, _, counter := countedStore(t, 1)
 	cost := func(what string, statements, trips int64, op func() error) {
 		t.Helper()
 		n, rt := counter.n.Load(), counter.trips.Load()
@@ -672,12 +667,7 @@ func TestAcquireRetriesAfterConcurrentCommit(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			_, schema := newStore(t)
-			pool, counter := countingPool(t, 1)
-			s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-			if err != nil {
-				t.Fatal(err)
-			}
+			s, schema, pool, counter := countedStore(t, 1)
 			tc.before(t, s)
 			var pid int32
 			if err := pool.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
@@ -854,13 +844,8 @@ func TestFaults(t *testing.T) {
 // other records were inserted beside it.
 func TestCompletesAreHOT(t *testing.T) {
 	t.Parallel()
-	_, schema := newStore(t) // migrates on the shared pool
 	// A pool of its own: a backend reports its statistics when it exits.
-	pool, _ := countingPool(t, 8)
-	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, schema, pool, _ := countedStore(t, 8)
 	const callers, each = 16, 40
 	errs := make(chan error, callers)
 	var wg sync.WaitGroup
