@@ -273,33 +273,35 @@ func fromMS(t time.Time) time.Time { return time.UnixMilli(t.UnixMilli()).UTC() 
 // and returns the record as it is afterwards: 1 when it created it where
 // there was none (the caller knows that record: the params made it), else
 // the values of recordFields, in that order, false (nil) for a field the
-// record does not have. A new key is created after an EXISTS, which costs
-// the server less than reading 13 absent fields; an existing record is read
-// once, and what it read or wrote is returned without reading it again. A re-creation starts with no checkpoints;
-// the UNKNOWN transition and a takeover keep them.
+// record does not have. It reads an existing record once (a new key only
+// with EXISTS, which costs the server less than reading 13 absent fields),
+// and returns what it read or wrote without reading it again. A re-creation
+// starts with no checkpoints; the UNKNOWN transition and a takeover keep them.
 //
 // KEYS: record, pending. ARGV: now, fp, token, lease, ts, scope, key.
 var acquireScript = redis.NewScript(`
 local rec, pending = KEYS[1], KEYS[2]
-if redis.call('EXISTS', rec) == 0 then -- a new key: cheaper than reading 13 absent fields
-  redis.call('HSET', rec, 'state', 'in_progress', 'fp', ARGV[2], 'token', ARGV[3], 'fence', '1', 'lease', ARGV[4],
-    'ts', ARGV[5], 'created', ARGV[1], 'updated', ARGV[1], 'exp', '0', 'scope', ARGV[6], 'key', ARGV[7])
-  redis.call('ZADD', pending, ARGV[4], rec)
-  return 1
-end
 local now = tonumber(ARGV[1])
-local r = redis.call('HMGET', rec, 'state', 'fp', 'token', 'fence', 'lease', 'ts', 'resp',
-  'created', 'updated', 'exp', 'scope', 'key', 'cps')
+local r = {} -- a new key: cheaper than reading 13 absent fields
+if redis.call('EXISTS', rec) == 1 then
+  r = redis.call('HMGET', rec, 'state', 'fp', 'token', 'fence', 'lease', 'ts', 'resp',
+    'created', 'updated', 'exp', 'scope', 'key', 'cps')
+end
 local state, exp = r[1], tonumber(r[10]) or 0
 local live = state and (exp == 0 or now < exp)
 if not live or state == 'failed' then
   local fence = '1'
   if live then fence = tostring(tonumber(r[4]) + 1) end
   r = {'in_progress', ARGV[2], ARGV[3], fence, ARGV[4], ARGV[5], false, ARGV[1], ARGV[1], '0', ARGV[6], ARGV[7], false}
-  redis.call('DEL', rec) -- drops the old response, checkpoints and TTL
+  if state then
+    redis.call('DEL', rec) -- drops the old response, checkpoints and TTL
+  end
   redis.call('HSET', rec, 'state', r[1], 'fp', r[2], 'token', r[3], 'fence', r[4], 'lease', r[5],
     'ts', r[6], 'created', r[8], 'updated', r[9], 'exp', r[10], 'scope', r[11], 'key', r[12])
   redis.call('ZADD', pending, r[5], rec)
+  if not state then
+    return 1
+  end
 elseif state == 'in_progress' and now >= tonumber(r[5]) then
   if r[6] ~= '1' then
     r[1], r[9] = 'unknown', ARGV[1]
