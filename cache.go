@@ -21,11 +21,11 @@ type cache struct {
 	mu    sync.Mutex
 	size  int64
 	order *list.List // of *cached, most recently used first
-	items map[string]*list.Element
+	items map[recordKey]*list.Element
 }
 
 type cached struct {
-	id   string
+	id   recordKey
 	rec  Record
 	size int64
 }
@@ -34,10 +34,11 @@ func newCache(max int64) *cache {
 	if max <= 0 {
 		return nil
 	}
-	return &cache{max: max, order: list.New(), items: map[string]*list.Element{}}
+	return &cache{max: max, order: list.New(), items: map[recordKey]*list.Element{}}
 }
 
-func recordID(scope, key string) string { return scope + "\x00" + key }
+// recordKey names a record in this engine's maps.
+type recordKey struct{ scope, key string }
 
 // get returns the completed record under scope and key, if it is kept and
 // has not expired at now.
@@ -47,7 +48,7 @@ func (c *cache) get(scope, key string, now time.Time) (Record, bool) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	el, ok := c.items[recordID(scope, key)]
+	el, ok := c.items[recordKey{scope, key}]
 	if !ok {
 		return Record{}, false
 	}
@@ -66,8 +67,8 @@ func (c *cache) put(rec Record) {
 	if c == nil || rec.State != StateCompleted || rec.Response == nil || rec.Expires.IsZero() {
 		return
 	}
-	id := recordID(rec.Scope, rec.Key)
-	size := int64(len(id) + len(rec.Response.Body) + len(rec.Fingerprint) + 256)
+	id := recordKey{rec.Scope, rec.Key}
+	size := int64(len(id.scope) + len(id.key) + len(rec.Response.Body) + len(rec.Fingerprint) + 256)
 	for name, values := range rec.Response.Header {
 		size += int64(len(name))
 		for _, v := range values {

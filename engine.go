@@ -190,10 +190,11 @@ func (e *Engine) answered() {
 func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) error {
 	down := e.down.Load()
 	deadline := time.Now().Add(e.storeTimeout)
+	// Detached from the caller's cancellation: a client that goes away must
+	// not leave a store write half-known.
+	detached := context.WithoutCancel(ctx)
 	for n := 0; ; n++ {
-		// Detached from the caller's cancellation: a client that goes away
-		// must not leave a store write half-known.
-		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+		actx, cancel := context.WithDeadline(detached, deadline)
 		err := op(actx)
 		cancel()
 		if err == nil || !errors.Is(err, ErrUnavailable) {
@@ -652,44 +653,96 @@ func (e *Engine) Prune(ctx context.Context, o PruneOptions) (int, error) {
 // cancel (context.WithoutCancel) when the work must finish regardless.
 func (e *Engine) Hold(ctx context.Context, l Lease) (held context.Context, stop func() Lease) {
 	held, cancel := context.WithCancelCause(ctx)
+	h := &hold{e: e, held: held, cancel: cancel, current: l, every: max(l.Duration/3, time.Millisecond)}
+	h.mu.Lock()
+	h.schedule()
+	h.mu.Unlock()
+	return held, h.stop
+}
+
+// hold is a lease kept alive by [Engine.Hold]. No goroutine waits between
+// renewals: each is a timer's callback, which sets the next.
+type hold struct {
+	e      *Engine
+	held   context.Context
+	cancel context.CancelCauseFunc
+	every  time.Duration
+
+	mu       sync.Mutex
+	current  Lease
+	stopped  bool
+	timer    func()        // stops the next renewal's timer
+	renewing chan struct{} // closed when the renewal in progress ends
+}
+
+// schedule sets the timer of the next renewal; h.mu is held.
+func (h *hold) schedule() { h.timer = afterFunc(h.e.clock, h.every, h.renew) }
+
+func (h *hold) renew() {
+	h.mu.Lock()
+	if h.stopped || h.held.Err() != nil {
+		h.mu.Unlock()
+		return
+	}
 	done := make(chan struct{})
-	finished := make(chan Lease, 1)
+	h.renewing = done
+	current := h.current
+	h.mu.Unlock()
+
+	renewed, err := h.e.Renew(h.held, current)
+
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	defer close(done)
+	h.renewing = nil
+	switch {
+	case err == nil:
+		h.current = renewed
+	case errors.Is(err, ErrLeaseLost):
+		h.cancel(fmt.Errorf("%w: renewal refused: %v", ErrLeaseLost, err))
+		return
+	case !h.e.clock.Now().Before(current.Expires):
+		h.cancel(fmt.Errorf("%w: lease ran out while renewals failed: %v", ErrLeaseLost, err))
+		return
+	}
+	if !h.stopped {
+		h.schedule()
+	}
+}
+
+func (h *hold) stop() Lease {
+	h.mu.Lock()
+	h.stopped = true
+	h.timer()
+	renewing := h.renewing
+	h.mu.Unlock()
+	if renewing != nil {
+		<-renewing
+	}
+	h.cancel(context.Canceled)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.current
+}
+
+// afterFunc calls f in a goroutine of its own once d has passed on c, unless
+// the function it returns is called first. On the system clock it is a
+// runtime timer (no goroutine waits); on another clock a goroutine waits for
+// c.After, whose timer is set before afterFunc returns.
+func afterFunc(c Clock, d time.Duration, f func()) (stop func()) {
+	if _, ok := c.(systemClock); ok {
+		t := time.AfterFunc(d, f)
+		return func() { t.Stop() }
+	}
+	fire := c.After(d)
+	cancel := make(chan struct{})
 	go func() {
-		current := l
-		defer func() { finished <- current }()
-		every := l.Duration / 3
-		if every <= 0 {
-			every = time.Millisecond
-		}
-		for {
-			select {
-			case <-done:
-				return
-			case <-held.Done():
-				return
-			case <-e.clock.After(every):
-			}
-			renewed, err := e.Renew(held, current)
-			switch {
-			case err == nil:
-				current = renewed
-			case errors.Is(err, ErrLeaseLost):
-				cancel(fmt.Errorf("%w: renewal refused: %v", ErrLeaseLost, err))
-				return
-			case !e.clock.Now().Before(current.Expires):
-				cancel(fmt.Errorf("%w: lease ran out while renewals failed: %v", ErrLeaseLost, err))
-				return
-			}
+		select {
+		case <-fire:
+			f()
+		case <-cancel:
 		}
 	}()
 	var once sync.Once
-	var last Lease
-	return held, func() Lease {
-		once.Do(func() {
-			close(done)
-			last = <-finished
-			cancel(context.Canceled)
-		})
-		return last
-	}
+	return func() { once.Do(func() { close(cancel) }) }
 }

@@ -196,6 +196,35 @@ func TestHoldCancelsWhenStoreStaysDown(t *testing.T) {
 	}
 }
 
+// TestHoldOnTheSystemClock: on the wall clock (where renewals are runtime
+// timers, not goroutines waiting on the clock) the lease is renewed every
+// third of its length until stop, which returns it as last renewed.
+func TestHoldOnTheSystemClock(t *testing.T) {
+	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
+	e, err := idem.New(idem.Config{Store: s, Lease: 90 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	held, stop := e.Hold(ctx, out.Lease)
+	for i := range 3 {
+		wait.Recv(t, s.renewed, 5*time.Second, fmt.Sprintf("renewal %d", i+1))
+	}
+	last := stop()
+	if !last.Expires.After(out.Lease.Expires) {
+		t.Fatalf("stop returned a lease expiring %v, not later than the first %v", last.Expires, out.Lease.Expires)
+	}
+	if held.Err() == nil {
+		t.Fatal("held context still live after stop")
+	}
+	if err := e.Complete(ctx, last, &idem.Response{Status: 200}); err != nil {
+		t.Fatalf("Complete after the hold: %v", err)
+	}
+}
+
 func TestHoldStopsWithParent(t *testing.T) {
 	e, _, l, _ := holdSetup(t, time.Minute)
 	parent, cancel := context.WithCancel(ctx)

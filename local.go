@@ -11,7 +11,7 @@ import (
 // and the record cannot change meanwhile but through it.)
 type owners struct {
 	mu sync.Mutex
-	m  map[string]Record
+	m  map[recordKey]Record
 }
 
 // add notes that the caller holding rec's token runs the work.
@@ -19,16 +19,16 @@ func (o *owners) add(rec Record) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.m == nil {
-		o.m = map[string]Record{}
+		o.m = map[recordKey]Record{}
 	}
-	o.m[recordID(rec.Scope, rec.Key)] = rec
+	o.m[recordKey{rec.Scope, rec.Key}] = rec
 }
 
 // renewed notes a renewal of l.
 func (o *owners) renewed(l Lease) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	id := recordID(l.Scope, l.Key)
+	id := recordKey{l.Scope, l.Key}
 	if rec, ok := o.m[id]; ok && rec.Token == l.Token {
 		rec.LeaseExpires = l.Expires
 		o.m[id] = rec
@@ -39,7 +39,7 @@ func (o *owners) renewed(l Lease) {
 func (o *owners) done(l Lease) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	id := recordID(l.Scope, l.Key)
+	id := recordKey{l.Scope, l.Key}
 	if rec, ok := o.m[id]; ok && rec.Token == l.Token {
 		delete(o.m, id)
 	}
@@ -50,7 +50,7 @@ func (o *owners) done(l Lease) {
 func (o *owners) get(scope, key string, now time.Time) (Record, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	id := recordID(scope, key)
+	id := recordKey{scope, key}
 	rec, ok := o.m[id]
 	if ok && !now.Before(rec.LeaseExpires) {
 		delete(o.m, id) // run out: the store knows better now
@@ -64,11 +64,11 @@ func (o *owners) get(scope, key string, now time.Time) (Record, bool) {
 // and the others take its news.
 type waits struct {
 	mu sync.Mutex
-	m  map[string]*waitGroup
+	m  map[waitKey]*waitGroup
 }
 
 type waitGroup struct {
-	id      string
+	id      waitKey
 	members int
 	polling bool // a member asks the store
 	known   bool // out and err hold the poller's latest answer
@@ -76,23 +76,27 @@ type waitGroup struct {
 	err     error
 }
 
-func waitID(p BeginParams) string {
-	return recordID(p.Scope, p.Key) + "\x00" + string(p.Fingerprint)
+// waitKey names the callers waiting for one record with one payload.
+type waitKey struct {
+	recordKey
+	fingerprint Fingerprint
 }
+
+func waitKeyOf(p BeginParams) waitKey { return waitKey{recordKey{p.Scope, p.Key}, p.Fingerprint} }
 
 // active reports whether callers already wait for p's record and payload.
 func (w *waits) active(p BeginParams) bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return len(w.m) > 0 && w.m[waitID(p)] != nil
+	return len(w.m) > 0 && w.m[waitKeyOf(p)] != nil
 }
 
 func (w *waits) join(p BeginParams) *waitGroup {
-	id := waitID(p)
+	id := waitKeyOf(p)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.m == nil {
-		w.m = map[string]*waitGroup{}
+		w.m = map[waitKey]*waitGroup{}
 	}
 	g := w.m[id]
 	if g == nil {
@@ -150,11 +154,11 @@ func (w *waits) latest(g *waitGroup) (Outcome, error, bool) {
 // instead of asking too.
 type flights struct {
 	mu sync.Mutex
-	m  map[string]*flight
+	m  map[recordKey]*flight
 }
 
 type flight struct {
-	id   string
+	id   recordKey
 	done chan struct{} // closed when rec and err are set
 	rec  Record
 	err  error
@@ -163,14 +167,14 @@ type flight struct {
 // join returns the flight for scope and key, and whether the caller leads
 // it (and must land it).
 func (fs *flights) join(scope, key string) (*flight, bool) {
-	id := recordID(scope, key)
+	id := recordKey{scope, key}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if f, ok := fs.m[id]; ok {
 		return f, false
 	}
 	if fs.m == nil {
-		fs.m = map[string]*flight{}
+		fs.m = map[recordKey]*flight{}
 	}
 	f := &flight{id: id, done: make(chan struct{})}
 	fs.m[id] = f

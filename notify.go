@@ -2,6 +2,8 @@ package idem
 
 import (
 	"context"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem/store"
@@ -11,14 +13,29 @@ import (
 const DefaultPoll = 250 * time.Millisecond
 
 // localNotifier wakes waiters in this process.
-type localNotifier struct{ waiters store.Waiters }
+type localNotifier struct {
+	waiters store.Waiters
+	// subscribed counts the subscriptions, so that settling a record
+	// nobody in this process waits for (most of them) costs no lookup.
+	subscribed atomic.Int64
+}
 
 func (n *localNotifier) Subscribe(scope, key string) (<-chan struct{}, func()) {
-	return n.waiters.Add(KeyHash(scope, key))
+	n.subscribed.Add(1)
+	ch, cancel := n.waiters.Add(KeyHash(scope, key))
+	var once sync.Once
+	return ch, func() {
+		once.Do(func() {
+			cancel()
+			n.subscribed.Add(-1)
+		})
+	}
 }
 
 func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
-	n.waiters.Wake(KeyHash(scope, key))
+	if n.subscribed.Load() > 0 {
+		n.waiters.Wake(KeyHash(scope, key))
+	}
 	return nil
 }
 

@@ -25,6 +25,11 @@ type result struct {
 	P50, P99  time.Duration
 	StoreOps  float64 // store calls per request, counted by the target
 	ServerOps float64 // server-side operations per request (Redis commands, PostgreSQL WAL bytes…)
+	// CPU time per request, in microseconds, of the target's process, of
+	// the store's server processes (PostgreSQL, Redis) and of the load
+	// client: on a machine whose cores they share, throughput follows
+	// their sum.
+	CPUTarget, CPUStore, CPUClient float64
 }
 
 // workload is how the client picks keys.

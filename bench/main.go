@@ -124,6 +124,19 @@ func (t *target) stop() {
 	t.cmd.Wait()
 }
 
+// cpu reads the CPU time used so far, in microseconds, by the target's
+// process, its store's server and this process (the load client).
+func (t *target) cpu() [3]int64 {
+	var server int64
+	switch {
+	case strings.HasSuffix(t.name, ":postgres"):
+		server = cpuOfServer("postgres", "")
+	case strings.HasSuffix(t.name, ":redis"):
+		server = cpuOfServer("redis-server", redisAddr(t.dsn))
+	}
+	return [3]int64{cpuOf(t.cmd.Process.Pid), server, cpuOf(os.Getpid())}
+}
+
 // calls is how many store calls the target has made so far.
 func (t *target) calls() int64 {
 	resp, err := http.Get(t.url + "/_calls")
@@ -188,10 +201,13 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 			for _, t := range targets {
 				progress.say("round %d/%d: %s, %s keys", r+1, rounds, t.name, w)
 				before, sBefore := t.calls(), server.read(t.name)
+				cpu := t.cpu()
 				res := load(ctx, t.url, w, conns, d, fmt.Sprintf("r%d-%s-%s-%d", r, w, strings.ReplaceAll(t.name, ":", "-"), rand.Uint32()))
-				if res.Requests > 0 {
-					res.StoreOps = float64(t.calls()-before) / float64(res.Requests)
-					res.ServerOps = float64(server.read(t.name)-sBefore) / float64(res.Requests)
+				if n := float64(res.Requests); n > 0 {
+					res.StoreOps = float64(t.calls()-before) / n
+					res.ServerOps = float64(server.read(t.name)-sBefore) / n
+					after := t.cpu()
+					res.CPUTarget, res.CPUStore, res.CPUClient = float64(after[0]-cpu[0])/n, float64(after[1]-cpu[1])/n, float64(after[2]-cpu[2])/n
 				}
 				key := t.name + "/" + string(w)
 				results[key] = append(results[key], res)

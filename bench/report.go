@@ -199,6 +199,9 @@ func (r report) summary(key string) result {
 		P99:       time.Duration(pick(func(x result) float64 { return float64(x.P99) })),
 		StoreOps:  pick(func(x result) float64 { return x.StoreOps }),
 		ServerOps: pick(func(x result) float64 { return x.ServerOps }),
+		CPUTarget: pick(func(x result) float64 { return x.CPUTarget }),
+		CPUStore:  pick(func(x result) float64 { return x.CPUStore }),
+		CPUClient: pick(func(x result) float64 { return x.CPUClient }),
 		Errors:    int64(pick(func(x result) float64 { return float64(x.Errors) })),
 	}
 }
@@ -246,11 +249,13 @@ func (r report) print(w io.Writer) {
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "target\tkeys\treq/s\tp50\tp99\tstore calls/req\tserver ops/req\terrors\t")
+	fmt.Fprintln(tw, "\t\t\t\t\t\t\tCPU µs/req:\t\t\t\t")
+	fmt.Fprintln(tw, "target\tkeys\treq/s\tp50\tp99\tstore calls/req\tserver ops/req\ttarget\tstore\tclient\terrors\t")
 	for _, t := range r.Targets {
 		for _, wl := range []workload{fresh, replay} {
 			s := r.summary(t + "/" + string(wl))
-			fmt.Fprintf(tw, "%s\t%s\t%.0f\t%v\t%v\t%.2f\t%.1f\t%d\t\n", t, wl, s.RPS, s.P50.Round(time.Microsecond), s.P99.Round(time.Microsecond), s.StoreOps, s.ServerOps, s.Errors)
+			fmt.Fprintf(tw, "%s\t%s\t%.0f\t%v\t%v\t%.2f\t%.1f\t%.0f\t%.0f\t%.0f\t%d\t\n", t, wl, s.RPS, s.P50.Round(time.Microsecond), s.P99.Round(time.Microsecond),
+				s.StoreOps, s.ServerOps, s.CPUTarget, s.CPUStore, s.CPUClient, s.Errors)
 		}
 	}
 	tw.Flush()

@@ -336,6 +336,14 @@ func serve(target, dsn string, delay time.Duration) error {
 	return nil
 }
 
+// redisAddr is the host:port of a Redis DSN.
+func redisAddr(dsn string) string {
+	if u, err := url.Parse(dsn); err == nil {
+		return u.Host
+	}
+	return ""
+}
+
 // redisPrefix is the idem_prefix of a Redis DSN: the run's keys begin with it.
 func redisPrefix(dsn string) string {
 	if u, err := url.Parse(dsn); err == nil {

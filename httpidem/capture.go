@@ -21,18 +21,31 @@ var neverStored = map[string]bool{
 // storedHeader returns the headers of h a replay may repeat: all but the
 // never-stored ones, or only those in allow when it is set.
 func storedHeader(h http.Header, allow map[string]bool) http.Header {
-	drop := map[string]bool{}
+	var drop map[string]bool
 	for _, c := range h.Values("Connection") { // headers named by Connection are hop-by-hop too
 		for _, name := range strings.Split(c, ",") {
+			if drop == nil {
+				drop = map[string]bool{}
+			}
 			drop[http.CanonicalHeaderKey(strings.TrimSpace(name))] = true
 		}
 	}
-	out := http.Header{}
-	for name, values := range h {
-		if neverStored[name] || drop[name] || (allow != nil && !allow[name]) {
-			continue
+	kept := func(name string) bool { return !neverStored[name] && !drop[name] && (allow == nil || allow[name]) }
+	n, values := 0, 0
+	for name, vs := range h {
+		if kept(name) {
+			n, values = n+1, values+len(vs)
 		}
-		out[name] = append([]string(nil), values...)
+	}
+	// One array holds every value: the copy is two allocations, not one a
+	// header.
+	all := make([]string, 0, values)
+	out := make(http.Header, n)
+	for name, vs := range h {
+		if kept(name) {
+			all = append(all, vs...)
+			out[name] = all[len(all)-len(vs) : len(all) : len(all)]
+		}
 	}
 	return out
 }
@@ -49,9 +62,9 @@ type capture struct {
 	limit    int64
 	passing  bool // the response is going straight to the client
 	hijacked bool
-	// expires is the Idempotency-Expires of a response passed through: its
-	// record is made once the handler is done.
-	expires func() string
+	// call, when set, gives the Idempotency-Expires of a response passed
+	// through: its record is made once the handler is done.
+	call *call
 }
 
 var (
@@ -158,8 +171,8 @@ func (c *capture) passThrough() {
 	for name, values := range c.header {
 		h[name] = values
 	}
-	if c.expires != nil {
-		h.Set(HeaderExpires, c.expires())
+	if c.call != nil {
+		h.Set(HeaderExpires, c.call.expires())
 	}
 	c.w.WriteHeader(c.status)
 	c.w.Write(c.body.Bytes())
@@ -169,8 +182,9 @@ func (c *capture) passThrough() {
 // omitted reports whether the response was delivered without being kept.
 func (c *capture) omitted() bool { return c.passing || c.hijacked }
 
-// deliver sends a buffered response to the client; extra headers are added.
-func (c *capture) deliver(extra http.Header) {
+// deliver sends a buffered response to the client, with an
+// Idempotency-Expires header when expires is not empty.
+func (c *capture) deliver(expires string) {
 	if c.omitted() {
 		return
 	}
@@ -181,8 +195,8 @@ func (c *capture) deliver(extra http.Header) {
 	for name, values := range c.header {
 		h[name] = values
 	}
-	for name, values := range extra {
-		h[name] = values
+	if expires != "" {
+		h.Set(HeaderExpires, expires)
 	}
 	c.w.WriteHeader(c.status)
 	c.w.Write(c.body.Bytes())

@@ -184,7 +184,7 @@ type keyHashKey struct{}
 // is read. It is "" for any other request.
 func KeyHashOf(r *http.Request) string {
 	if c := callFrom(r.Context()); c != nil {
-		return c.keyHash
+		return idem.KeyHash(c.lease.Scope, c.lease.Key)
 	}
 	h, _ := r.Context().Value(keyHashKey{}).(string)
 	return h
@@ -291,9 +291,14 @@ func HashScope(headers ...string) func(*http.Request) string {
 type call struct {
 	m       *Middleware
 	lease   idem.Lease
-	keyHash string
 	verdict atomic.Int32
 	settled atomic.Bool // the handler settled the record itself (Finish)
+}
+
+// expires is the Idempotency-Expires of the call's outcome if it were
+// settled now.
+func (c *call) expires() string {
+	return c.m.cfg.Engine.Expires(c.lease).UTC().Format(http.TimeFormat)
 }
 
 const (
@@ -433,12 +438,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Scope: scope, Key: key, Fingerprint: m.fingerprint(r, body),
 		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
 	}
-	hash := idem.KeyHash(scope, key)
 	if m.cfg.Observe != nil { // KeyHashOf, for what it is told
-		r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, hash))
+		r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, idem.KeyHash(scope, key)))
 	}
 	log := func() *slog.Logger { // made when a line is logged, not for every request
-		return m.log.With("key_hash", hash, "method", r.Method, "path", r.URL.Path)
+		return m.log.With("key_hash", idem.KeyHash(scope, key), "method", r.Method, "path", r.URL.Path)
 	}
 
 	// The engine's store calls are detached from the client: one that goes
@@ -485,7 +489,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		m.observe(r, ObservedExecuted)
-		m.execute(w, r, next, out.Lease, hash, log)
+		m.execute(w, r, next, out.Lease, log)
 	case idem.Replay:
 		if out.Record.Response.BodyOmitted {
 			m.observe(r, ObservedNotReplayable)
@@ -526,17 +530,18 @@ func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint 
 }
 
 // execute runs the handler under the lease and settles the record.
-func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, hash string, log func() *slog.Logger) {
+func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, log func() *slog.Logger) {
 	eng := m.cfg.Engine
-	// The client going away must not stop the work: its retry wants the outcome.
-	held, stop := eng.Hold(context.WithoutCancel(r.Context()), lease)
-	state := &call{m: m, lease: lease, keyHash: hash}
+	// The client going away must not stop the work (its retry wants the
+	// outcome), and neither it nor a lost lease may stop the outcome from
+	// being written.
+	detached := context.WithoutCancel(r.Context())
+	held, stop := eng.Hold(detached, lease)
+	state := &call{m: m, lease: lease}
 	ctx := context.WithValue(held, callKey{}, state)
 	c := newCapture(w, m.cfg.MaxResponseBody)
-	c.expires = func() string { return eng.Expires(lease).UTC().Format(http.TimeFormat) }
-	// Settling uses a context of its own: neither the client nor a lost lease
-	// may stop the outcome from being written.
-	settle := context.WithoutCancel(r.Context())
+	c.call = state
+	settle := detached
 
 	panicked := true
 	defer func() {
@@ -561,7 +566,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		status = http.StatusOK
 	}
 	var err error
-	extra := http.Header{}
+	var expires string // the engine's stamp, for the client's first answer
 	switch verdict := state.verdict.Load(); {
 	case state.settled.Load():
 		// The handler settled the record in its own transaction (Finish).
@@ -577,7 +582,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			resp.Body = c.body.Bytes()
 		}
 		if err = eng.Complete(settle, lease, resp); err == nil && !c.omitted() {
-			extra.Set(HeaderExpires, resp.Header.Get(HeaderExpires)) // the engine's stamp
+			expires = resp.Header.Get(HeaderExpires)
 		}
 	}
 	if err != nil {
@@ -589,9 +594,8 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		// finds the record in progress, unknown, or settled by the newer
 		// owner: never run blindly.
 		log().Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
-		extra.Del(HeaderExpires)
 	}
-	c.deliver(extra)
+	c.deliver(expires)
 }
 
 // replay sends a stored response again.
