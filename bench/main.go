@@ -47,10 +47,11 @@ func main() {
 	stormN := flag.Int("storm", 1000, "duplicates of one key sent at once (0: no storm)")
 	stormDelay := flag.Duration("storm-delay", 50*time.Millisecond, "how long the handler takes in the storm")
 	out := flag.String("out", "", "directory for results.md, results.json and the SVG plots")
-	only := flag.String("stores", "", "comma-separated stores to measure (default: memory, sqlite, and postgres and redis when their variables are set)")
+	onlyStores := flag.String("stores", "", "comma-separated stores to measure (default: memory, sqlite, and postgres and redis when their variables are set)")
+	only := flag.String("targets", "", "comma-separated targets to load, e.g. idem:redis,raw:redis (default: all of the stores measured)")
 	prefill := flag.Int("prefill", 0, "settled records written to PostgreSQL's records table before the run (to see how cost grows with the table)")
 	flag.Parse()
-	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *only, *prefill); err != nil {
+	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *onlyStores, *only, *prefill); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -149,7 +150,7 @@ func (t *target) calls() int64 {
 	return n
 }
 
-func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only string, prefill int) error {
+func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only, onlyTargets string, prefill int) error {
 	ctx := context.Background()
 	self, err := os.Executable()
 	if err != nil {
@@ -170,6 +171,15 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 			names = append(names, "raw:"+s, "hop-raw:"+s)
 		}
 		names = append(names, "idem:"+s, "proxy:"+s)
+	}
+	if onlyTargets != "" {
+		picked := strings.Split(onlyTargets, ",")
+		for _, name := range picked {
+			if !slices.Contains(names, name) {
+				return fmt.Errorf("target %q is not among %s", name, strings.Join(names, ", "))
+			}
+		}
+		names = slices.DeleteFunc(names, func(n string) bool { return !slices.Contains(picked, n) })
 	}
 	progress := newProgress()
 	var targets []*target
