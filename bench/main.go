@@ -48,10 +48,11 @@ func main() {
 	stormDelay := flag.Duration("storm-delay", 50*time.Millisecond, "how long the handler takes in the storm")
 	out := flag.String("out", "", "directory for results.md, results.json and the SVG plots")
 	onlyStores := flag.String("stores", "", "comma-separated stores to measure (default: memory, sqlite, and postgres and redis when their variables are set)")
+	workloads := flag.String("workloads", "fresh,replay", "comma-separated workloads: fresh (a new key every request), replay (completed keys)")
 	only := flag.String("targets", "", "comma-separated targets to load, e.g. idem:redis,raw:redis (default: all of the stores measured)")
 	prefill := flag.Int("prefill", 0, "settled records written to PostgreSQL's records table before the run (to see how cost grows with the table)")
 	flag.Parse()
-	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *onlyStores, *only, *prefill); err != nil {
+	if err := run(*rounds, *duration, *conns, *stormN, *stormDelay, *out, *onlyStores, *only, *workloads, *prefill); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
@@ -150,7 +151,15 @@ func (t *target) calls() int64 {
 	return n
 }
 
-func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only, onlyTargets string, prefill int) error {
+func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duration, out, only, onlyTargets, workloads string, prefill int) error {
+	var loads []workload
+	for _, name := range strings.Split(workloads, ",") {
+		w := workload(name)
+		if w != fresh && w != replay {
+			return fmt.Errorf("workload %q is neither fresh nor replay", w)
+		}
+		loads = append(loads, w)
+	}
 	ctx := context.Background()
 	self, err := os.Executable()
 	if err != nil {
@@ -207,7 +216,7 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 	}
 	results := map[string][]result{} // "target/workload" → one per round
 	for r := range rounds {
-		for _, w := range []workload{fresh, replay} {
+		for _, w := range loads {
 			for _, t := range targets {
 				progress.say("round %d/%d: %s, %s keys", r+1, rounds, t.name, w)
 				before, sBefore := t.calls(), server.read(t.name)

@@ -253,6 +253,9 @@ func (r report) print(w io.Writer) {
 	fmt.Fprintln(tw, "target\tkeys\treq/s\tp50\tp99\tstore calls/req\tserver ops/req\ttarget\tstore\tclient\terrors\t")
 	for _, t := range r.Targets {
 		for _, wl := range []workload{fresh, replay} {
+			if len(r.Results[t+"/"+string(wl)]) == 0 {
+				continue // not loaded (-workloads)
+			}
 			s := r.summary(t + "/" + string(wl))
 			fmt.Fprintf(tw, "%s\t%s\t%.0f\t%v\t%v\t%.2f\t%.1f\t%.0f\t%.0f\t%.0f\t%d\t\n", t, wl, s.RPS, s.P50.Round(time.Microsecond), s.P99.Round(time.Microsecond),
 				s.StoreOps, s.ServerOps, s.CPUTarget, s.CPUStore, s.CPUClient, s.Errors)
@@ -315,6 +318,9 @@ func (r report) svg(title, unit string, value func(result) float64) string {
 	max := 0.0
 	for _, t := range r.Targets {
 		for _, wl := range []workload{fresh, replay} {
+			if len(r.Results[t+"/"+string(wl)]) == 0 {
+				continue
+			}
 			v := value(r.summary(t + "/" + string(wl)))
 			bars = append(bars, bar{t, v, wl})
 			if v > max {

@@ -59,6 +59,19 @@ const (
 // first.
 func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 	b.once.Do(func() { b.lead = make(chan struct{}, max(b.Runners, 1)) })
+	// Alone (a runner free, nobody queued): a batch of one, run at once
+	// under the caller's own context, without the queue's machinery.
+	select {
+	case b.lead <- struct{}{}:
+		b.mu.Lock()
+		alone := len(b.queue) == 0
+		b.mu.Unlock()
+		if alone {
+			return b.runAlone(ctx, op)
+		}
+		<-b.lead
+	default:
+	}
 	w := &batchedOp[T]{ctx: ctx, op: op, done: make(chan struct{})}
 	b.mu.Lock()
 	b.queue = append(b.queue, w)
@@ -90,6 +103,23 @@ func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 			}()
 		}
 	}
+}
+
+// runAlone runs op as a batch of its own, holding a runner's token, which it
+// gives back.
+func (b *Batcher[T]) runAlone(ctx context.Context, op T) error {
+	defer func() { <-b.lead }()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	errs := b.Run(ctx, []T{op})
+	switch {
+	case len(errs) != 1:
+		return fmt.Errorf("store: batch: %d results for 1 operation", len(errs))
+	case errs[0] != nil && ctx.Err() != nil:
+		return ctx.Err() // cut short because its caller gave up: the caller's reason
+	}
+	return errs[0]
 }
 
 // runQueued runs one batch of what is queued.
