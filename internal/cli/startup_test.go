@@ -4,11 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -92,45 +90,13 @@ func TestProxyStartsWhileStoreIsDown(t *testing.T) {
 	}
 }
 
-// freePort returns a TCP port nothing listens on (now).
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-}
-
-// startRedis runs a Redis server of the test's own, without persistence,
-// on port, and returns it.
-func startRedis(t *testing.T, port string) *exec.Cmd {
-	t.Helper()
-	cmd := exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", t.TempDir())
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	wait.Until(t, 10*time.Second, "redis-server to listen", func() bool {
-		c, err := net.Dial("tcp", "127.0.0.1:"+port)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	})
-	return cmd
-}
-
 // TestRedisRestartIsNoticed: a Redis that keeps nothing on disk is
 // restarted under a running proxy. The proxy said from the start that a
 // crash of its store loses records, and it notices the restart (the run_id
 // changes): loudly in its log, on /readyz and in its metrics.
 func TestRedisRestartIsNoticed(t *testing.T) {
-	testkit.Server(t, "IDEM_TEST_REDIS_URL") // Redis is there (this test starts a redis-server of its own)
-	port := freePort(t)
-	redis := startRedis(t, port)
+	port := testkit.FreePort(t)
+	redis := testkit.StartRedis(t, port)
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(201) }))
 	defer upstream.Close()
 	p := runProxy(t, "--upstream", upstream.URL, "--store", "redis://127.0.0.1:"+port+"/0", "--admin-listen", "127.0.0.1:0")
@@ -145,7 +111,7 @@ func TestRedisRestartIsNoticed(t *testing.T) {
 	})
 	redis.Process.Kill()
 	redis.Wait()
-	startRedis(t, port)
+	testkit.StartRedis(t, port)
 	wait.Until(t, 20*time.Second, "/readyz to count the restart", func() bool {
 		_, body := get(t, admin+"/readyz")
 		return strings.Contains(body, "restarts seen: 1")

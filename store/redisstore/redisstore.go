@@ -1090,9 +1090,14 @@ func unavailable(err error) bool {
 	}
 	var redisErr redis.Error
 	if errors.As(err, &redisErr) {
+		// A server loading, failing over or resharding, too busy, or up but
+		// refusing writes (out of memory under noeviction, a failed
+		// snapshot, too few replicas): a script is refused at its first
+		// write, so it wrote nothing, and a later call may succeed.
 		return redis.IsLoadingError(err) || redis.IsClusterDownError(err) || redis.IsTryAgainError(err) ||
 			redis.IsMasterDownError(err) || redis.IsReadOnlyError(err) || redis.IsMaxClientsError(err) ||
-			redis.HasErrorPrefix(err, "BUSY")
+			redis.HasErrorPrefix(err, "BUSY") || redis.HasErrorPrefix(err, "OOM") ||
+			redis.HasErrorPrefix(err, "MISCONF") || redis.HasErrorPrefix(err, "NOREPLICAS")
 	}
 	// Not an answer from Redis: the client could not talk to it.
 	return true

@@ -619,7 +619,9 @@ func TestTranslate(t *testing.T) {
 	}
 	for _, msg := range []string{"LOADING Redis is loading the dataset in memory", "CLUSTERDOWN The cluster is down",
 		"TRYAGAIN Multiple keys request during rehashing of slot", "MASTERDOWN Link with MASTER is down",
-		"READONLY You can't write against a read only replica."} {
+		"READONLY You can't write against a read only replica.", "OOM command not allowed when used memory > 'maxmemory'.",
+		"MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
+		"NOREPLICAS Not enough good replicas to write."} {
 		if err := translate("acquire", redisError(t, msg)); !errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%q: %v, want ErrUnavailable", msg, err)
 		}
@@ -668,4 +670,48 @@ func TestFaults(t *testing.T) {
 		t.Cleanup(func() { client.Close() })
 		return newTestStore(t, client, 0)
 	})
+}
+
+// TestRefusedWritesAreUnavailable: a Redis that is up but refuses writes
+// (out of memory under noeviction, too few replicas for
+// min-replicas-to-write) is unavailable, not a failed write: the engine
+// then keeps the outcome and tries again, where an error of another kind
+// would drop it. The refused scripts wrote nothing, so the Finish that
+// follows, once Redis takes writes again, settles the record.
+func TestRefusedWritesAreUnavailable(t *testing.T) {
+	t.Parallel()
+	port := testkit.FreePort(t)
+	testkit.StartRedis(t, port)
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port})
+	t.Cleanup(func() { client.Close() })
+	s := newTestStore(t, client, 0)
+	ctx := context.Background()
+	r := testkit.Acquire(t, s, "tenant", "refused", t0, time.Minute)
+	finish := store.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0.Add(time.Second),
+		State: store.StateCompleted, Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: t0.Add(time.Hour)}
+	for _, refusal := range []struct{ set, reset []any }{
+		{[]any{"min-replicas-to-write", "1"}, []any{"min-replicas-to-write", "0"}},
+		{[]any{"maxmemory-policy", "noeviction", "maxmemory", "1"}, []any{"maxmemory", "0"}},
+	} {
+		if err := client.Do(ctx, append([]any{"CONFIG", "SET"}, refusal.set...)...).Err(); err != nil {
+			t.Fatal(err)
+		}
+		err := s.Finish(ctx, finish)
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Errorf("Finish while Redis refuses writes (CONFIG SET %v): %v, want ErrUnavailable", refusal.set, err)
+		}
+		if err := client.Do(ctx, append([]any{"CONFIG", "SET"}, refusal.reset...)...).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := s.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: finish.Now}); err != nil || got.State != store.StateInProgress {
+			t.Fatalf("after the refused Finish: %+v, %v; want the record still in progress", got, err)
+		}
+	}
+	if err := s.Finish(ctx, finish); err != nil {
+		t.Fatalf("Finish once Redis takes writes again: %v", err)
+	}
+	if got, err := s.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: finish.Now}); err != nil ||
+		got.State != store.StateCompleted || string(got.Response.Body) != "charged" {
+		t.Fatalf("after the Finish: %+v, %v; want it completed with its response", got, err)
+	}
 }
