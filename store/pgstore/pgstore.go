@@ -389,12 +389,19 @@ const dueWholeSQL = `SELECT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key
 // and it leaves them alone, so every row ends true, save one case: a record
 // deleted after the snapshot whose row the rebuild then writes. Such a row
 // names no record and is skipped by scans and prunes, which join records.
+// It writes its rows in (scope, key) order, the order in which batches lock
+// records (and their triggers the rows here), so that it never waits on a
+// batch that waits on it: a write whose row it has written waits for it
+// to commit, and one it then meets it waits for, but not both.
 const dueRebuildSQL = `
 INSERT INTO {{due}} (scope, key, expires)
-SELECT scope, key, expires FROM {{table}}
-WHERE NOT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')
-UNION ALL
-SELECT '', '', NULL
+SELECT scope, key, expires FROM (
+	SELECT scope, key, expires FROM {{table}}
+	WHERE NOT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')
+	UNION ALL
+	SELECT '', '', NULL
+) AS rows
+ORDER BY scope, key
 ON CONFLICT (scope, key) DO NOTHING`
 
 // qualified prefixes each name of a comma-separated list of columns with

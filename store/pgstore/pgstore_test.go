@@ -374,6 +374,61 @@ func TestDeadlineIsUnavailable(t *testing.T) {
 	}
 }
 
+// TestRolledBackIsUnavailable: a statement that PostgreSQL rolls back for
+// a reason of the moment (here a real deadlock with another transaction:
+// the Finish's trigger waits on a records_due row that the other holds,
+// which then waits on the record) wrote nothing and may succeed when tried
+// again: it is ErrUnavailable, so that the engine keeps the outcome and
+// retries it, where an error of another kind would drop it.
+func TestRolledBackIsUnavailable(t *testing.T) {
+	t.Parallel()
+	s, schema := newStore(t)
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+	conn, err := sharedPool(t).Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	// This session never looks for the deadlock first: the store's does,
+	// and is the one rolled back.
+	if _, err := conn.Exec(ctx, "SET deadlock_timeout = '1min'"); err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Exec(ctx, "RESET deadlock_timeout")
+	pid := conn.Conn().PgConn().PID()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "UPDATE "+table(schema, "records_due")+" SET expires = expires WHERE key = 'k'"); err != nil {
+		t.Fatal(err)
+	}
+	bounded, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	finished := make(chan error, 1)
+	go func() { finished <- s.Finish(bounded, completeParams("k", "tok", t0)) }()
+	wait.Until(t, 10*time.Second, "the Finish to wait on the other transaction", func() bool {
+		return countRows(t, sharedPool(t), "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))", int32(pid)) == 1
+	})
+	if _, err := tx.Exec(ctx, "SELECT FROM "+table(schema, "records")+" WHERE key = 'k' FOR UPDATE"); err != nil {
+		t.Fatalf("the other transaction, once the store's is rolled back: %v", err)
+	}
+	err = <-finished // bounded by its context
+	if !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "40P01") {
+		t.Fatalf("Finish rolled back by a deadlock = %v, want ErrUnavailable (SQLSTATE 40P01)", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || r.State != idem.StateInProgress {
+		t.Fatalf("record after the rolled-back Finish = %+v, %v; want it still in progress", r, err)
+	}
+	if err := s.Finish(ctx, completeParams("k", "tok", t0)); err != nil {
+		t.Fatalf("Finish tried again: %v", err)
+	}
+}
+
 func TestConcurrentNewMigratesOnce(t *testing.T) {
 	t.Parallel()
 	schema := newSchema(t)
