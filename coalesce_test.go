@@ -2,6 +2,9 @@ package idem_test
 
 import (
 	"context"
+	"errors"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -193,5 +196,107 @@ func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
 	}
 	if calls := g.Calls(); calls > 10 {
 		t.Fatalf("%d concurrent requests made %d acquires; want them to share the first", n, calls)
+	}
+}
+
+// payloadGate is a store whose acquires of one payload wait for the test.
+type payloadGate struct {
+	*testkit.Counted
+	fingerprint      idem.Fingerprint
+	entered, release chan struct{}
+}
+
+func (g *payloadGate) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	if p.Fingerprint == g.fingerprint {
+		g.entered <- struct{}{}
+		<-g.release
+	}
+	return g.Counted.Acquire(ctx, p)
+}
+
+// blockedIn reports whether a goroutine is blocked in a select with every
+// one of frames on its stack.
+func blockedIn(frames ...string) bool {
+	buf := make([]byte, 1<<16)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if !strings.Contains(header, "[select") {
+			continue
+		}
+		all := true
+		for _, f := range frames {
+			all = all && strings.Contains(g, f)
+		}
+		if all {
+			return true
+		}
+	}
+	return false
+}
+
+// TestAWaiterGivingUpLeavesTheOthersWaiting: when the duplicate that polls
+// the store for the others gives up (its client went away) in the middle of
+// a poll, here while it shares another request's acquire, that is its own
+// answer: the others keep waiting, and get the outcome. (An error shared
+// with them was their answer too: a false 503, or with FailOpen a second
+// run while the first still ran.)
+func TestAWaiterGivingUpLeavesTheOthersWaiting(t *testing.T) {
+	shared := memstore.New()
+	other, _ := idem.New(idem.Config{Store: shared}) // another instance runs the work
+	reused := charge
+	reused.Fingerprint = testkit.Fingerprint(`{"amount":500}`)
+	g := &payloadGate{Counted: &testkit.Counted{Store: shared}, fingerprint: reused.Fingerprint,
+		entered: make(chan struct{}), release: make(chan struct{})}
+	eng, err := idem.New(idem.Config{Store: g, Poll: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	first, err := other.Begin(ctx, charge)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	pollerCtx, leave := context.WithCancel(ctx)
+	defer leave()
+	pollerDone := make(chan error, 1)
+	go func() { _, err := eng.Await(pollerCtx, charge, 30*time.Second); pollerDone <- err }()
+	// Its first lookup, then its first poll: it is the one that polls.
+	wait.Until(t, 10*time.Second, "the first duplicate to poll", func() bool { return g.Calls() >= 2 })
+	type answer struct {
+		out idem.Outcome
+		err error
+	}
+	staying := make(chan answer, 1)
+	go func() { out, err := eng.Await(ctx, charge, 30*time.Second); staying <- answer{out, err} }()
+	wait.Until(t, 10*time.Second, "the second duplicate to wait", func() bool { return eng.Waiting(charge.Scope, charge.Key) == 2 })
+
+	// A request with the key and another payload: its acquire is on its
+	// way, and the poller's next poll shares it.
+	reusedDone := make(chan struct{})
+	go func() { defer close(reusedDone); eng.Begin(ctx, reused) }()
+	wait.Recv(t, g.entered, 10*time.Second, "the other payload's acquire")
+	wait.Until(t, 10*time.Second, "the poller to share that acquire", func() bool {
+		return blockedIn("idem.(*Engine).Begin", "idem.(*Engine).awaitStep")
+	})
+	leave()
+	if err := wait.Recv(t, pollerDone, 10*time.Second, "the poller to give up"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("the poller that gave up: %v, want context.Canceled", err)
+	}
+	close(g.release)
+	wait.Recv(t, reusedDone, 10*time.Second, "the other payload's answer")
+	if err := other.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	got := wait.Recv(t, staying, 10*time.Second, "the duplicate that stayed")
+	if got.err != nil || got.out.Decision != idem.Replay {
+		t.Fatalf("the duplicate that stayed: %v, %v; want the replay of the outcome", got.out.Decision, got.err)
 	}
 }

@@ -136,6 +136,11 @@ func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, pol
 	*polling = true
 	subscribe()
 	out, err = e.Begin(ctx, p)
+	if err != nil && ctx.Err() != nil {
+		// It gave up: its own answer, not the others'. One of them polls
+		// in its place once it has left.
+		return out, err, true
+	}
 	if err != nil || out.Decision != Execute {
 		e.waits.publish(g, out, err)
 		if err != nil || out.Decision != InFlight {

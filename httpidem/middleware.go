@@ -149,7 +149,10 @@ type Config struct {
 	// Defaults to the engine's.
 	Retention time.Duration `yaml:"retention"`
 	// FailOpen runs the handler unprotected when the store cannot be
-	// reached, instead of answering 503. Defaults to false: fail closed.
+	// reached (an error wrapping [idem.ErrUnavailable]), instead of
+	// answering 503; never when the store answered with an error of
+	// another kind, such as a record it cannot read. Defaults to false:
+	// fail closed.
 	FailOpen bool `yaml:"fail_open"`
 	// Logger receives a line per problem. Keys are logged as a hash, never
 	// as sent. Defaults to slog.Default().
@@ -466,7 +469,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				Detail: "the server's idempotency scope is invalid"}).Write(w)
 			return
 		}
-		if m.cfg.FailOpen && r.Context().Err() == nil {
+		// Fail open only when the store could not be reached: a store that
+		// answered with an error (a record it cannot read) may hold an
+		// outcome, and running the handler again would run it twice.
+		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && r.Context().Err() == nil {
 			m.observe(r, ObservedFailOpen)
 			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
 			next.ServeHTTP(w, r)

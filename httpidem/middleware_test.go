@@ -404,6 +404,33 @@ func TestStoreDownFailsClosed(t *testing.T) {
 	}
 }
 
+// TestFailOpenOnlyWhenUnreachable: FailOpen runs the handler unprotected
+// when the store cannot be reached, never when it answered with an error:
+// here a completed record whose stored response it cannot read (written by
+// another version, or damaged). That key has run; running it again is the
+// double execution idem exists to prevent, so the answer is a 503.
+func TestFailOpenOnlyWhenUnreachable(t *testing.T) {
+	a := &app{handler: charge}
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, s), FailOpen: true}, a)
+	if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 {
+		t.Fatalf("first request: %d", r.status)
+	}
+	if _, err := s.DB().Exec(`UPDATE idem_records SET response = x'00ff'`); err != nil {
+		t.Fatal(err)
+	}
+	again := serve(t, httpidem.Config{Engine: newEngine(t, s), FailOpen: true}, a) // a new process: nothing cached
+	r := send(t, again, "POST", "/pay", "k", "x")
+	wantProblem(t, r, 503, httpidem.ProblemStoreUnavailable)
+	if a.runs.Load() != 1 {
+		t.Fatalf("the handler ran %d times; want once", a.runs.Load())
+	}
+}
+
 func TestNothingHappenedReleasesKey(t *testing.T) {
 	forEachStore(t, func(t *testing.T, store idem.Store) {
 		for _, c := range []struct {
