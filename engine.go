@@ -655,7 +655,7 @@ func (e *Engine) Hold(ctx context.Context, l Lease) (held context.Context, stop 
 	held, cancel := context.WithCancelCause(ctx)
 	h := &hold{e: e, held: held, cancel: cancel, current: l, every: max(l.Duration/3, time.Millisecond)}
 	h.mu.Lock()
-	h.schedule()
+	h.schedule(h.every)
 	h.mu.Unlock()
 	return held, h.stop
 }
@@ -675,38 +675,59 @@ type hold struct {
 	renewing chan struct{} // closed when the renewal in progress ends
 }
 
-// schedule sets the timer of the next renewal; h.mu is held.
-func (h *hold) schedule() { h.timer = afterFunc(h.e.clock, h.every, h.renew) }
+// schedule sets the timer of the next renewal, d from now; h.mu is held.
+func (h *hold) schedule(d time.Duration) { h.timer = afterFunc(h.e.clock, d, h.renew) }
 
+// renew renews the lease, and sets the timer of the next renewal: a third
+// of the lease after a success; after a failure the same, or the moment the
+// lease runs out if that comes first, when the work is cancelled. The work
+// never runs on past its lease: another owner may then take the key.
 func (h *hold) renew() {
 	h.mu.Lock()
 	if h.stopped || h.held.Err() != nil {
 		h.mu.Unlock()
 		return
 	}
+	current := h.current
+	if !h.e.clock.Now().Before(current.Expires) {
+		h.cancel(fmt.Errorf("%w: lease ran out while renewals failed", ErrLeaseLost))
+		h.mu.Unlock()
+		return
+	}
 	done := make(chan struct{})
 	h.renewing = done
-	current := h.current
 	h.mu.Unlock()
 
-	renewed, err := h.e.Renew(h.held, current)
+	// A renewal does not outlast the lease it renews. (Deadlines are on
+	// the wall clock; on another clock the timer above bounds the wait.)
+	ctx, cancel := h.held, context.CancelFunc(func() {})
+	if _, ok := h.e.clock.(systemClock); ok {
+		ctx, cancel = context.WithDeadline(h.held, current.Expires)
+	}
+	renewed, err := h.e.Renew(ctx, current)
+	cancel()
 
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	defer close(done)
 	h.renewing = nil
+	next := h.every
 	switch {
 	case err == nil:
 		h.current = renewed
 	case errors.Is(err, ErrLeaseLost):
 		h.cancel(fmt.Errorf("%w: renewal refused: %v", ErrLeaseLost, err))
 		return
-	case !h.e.clock.Now().Before(current.Expires):
-		h.cancel(fmt.Errorf("%w: lease ran out while renewals failed: %v", ErrLeaseLost, err))
-		return
+	default:
+		left := current.Expires.Sub(h.e.clock.Now())
+		if left <= 0 {
+			h.cancel(fmt.Errorf("%w: lease ran out while renewals failed: %v", ErrLeaseLost, err))
+			return
+		}
+		next = min(next, left)
 	}
 	if !h.stopped {
-		h.schedule()
+		h.schedule(next)
 	}
 }
 

@@ -196,6 +196,83 @@ func TestHoldCancelsWhenStoreStaysDown(t *testing.T) {
 	}
 }
 
+// slowFailingStore fails every renewal after the time it takes (the clock
+// moved by took): a store that answers late, then not at all.
+type slowFailingStore struct {
+	idem.Store
+	clock *storetest.Clock
+	took  time.Duration
+}
+
+func (s *slowFailingStore) Renew(ctx context.Context, p store.RenewParams) error {
+	s.clock.Advance(s.took)
+	return fmt.Errorf("renewal timed out: %w", idem.ErrUnavailable)
+}
+
+// TestHoldEndsWhenTheLeaseRunsOut: renewals that fail slowly (each takes
+// 45 of the lease's 300 ms) do not let the work run on past its lease: the
+// try after a failure is set no later than the lease's end, where the work
+// is cancelled. (It was set a third of the lease after the failure: here
+// at 390 ms, 90 ms during which another owner could take the key.)
+func TestHoldEndsWhenTheLeaseRunsOut(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	s := &slowFailingStore{Store: memstore.New(), clock: clock, took: 45 * time.Millisecond}
+	e, err := idem.New(idem.Config{Store: s, Lease: 300 * time.Millisecond, Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	held, stop := e.Hold(ctx, out.Lease)
+	defer stop()
+	tick(t, clock, 1, 100*time.Millisecond) // tries at 100 ms, fails at 145
+	tick(t, clock, 2, 100*time.Millisecond) // tries at 245 ms, fails at 290
+	if !clock.AwaitTimers(3, 5*time.Second) {
+		t.Fatalf("Hold set no timer after its second failure: %v", context.Cause(held))
+	}
+	if held.Err() != nil {
+		t.Fatalf("cancelled at %v, before the lease ran out at %v", clock.Now(), out.Lease.Expires)
+	}
+	clock.Advance(out.Lease.Expires.Sub(clock.Now())) // the lease's end
+	wait.Recv(t, held.Done(), 5*time.Second, "the held context to end when the lease ran out")
+	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
+	}
+}
+
+// hangingStore's renewals wait until their context ends.
+type hangingStore struct{ idem.Store }
+
+func (hangingStore) Renew(ctx context.Context, _ store.RenewParams) error {
+	<-ctx.Done()
+	return fmt.Errorf("renewal: %w: %w", idem.ErrUnavailable, ctx.Err())
+}
+
+// TestHoldEndsWhileARenewalHangs: on the wall clock, a renewal that hangs
+// (a store that does not answer, with a store timeout longer than the
+// lease) is cut at the lease's end, and the work with it.
+func TestHoldEndsWhileARenewalHangs(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: hangingStore{memstore.New()}, Lease: 300 * time.Millisecond, StoreTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	held, stop := e.Hold(ctx, out.Lease)
+	defer stop()
+	wait.Recv(t, held.Done(), 10*time.Second, "the held context to end when the lease ran out, not when the store timeout did")
+	if cause := context.Cause(held); !errors.Is(cause, idem.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", cause)
+	}
+	if now := time.Now(); now.Before(out.Lease.Expires) {
+		t.Fatalf("cancelled at %v, before the lease ran out at %v", now, out.Lease.Expires)
+	}
+}
+
 // TestHoldOnTheSystemClock: on the wall clock (where renewals are runtime
 // timers, not goroutines waiting on the clock) the lease is renewed every
 // third of its length until stop, which returns it as last renewed.
