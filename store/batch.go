@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -17,10 +18,13 @@ import (
 //
 // No caller waits for a batch it is not in longer than that batch runs: the
 // next batch starts as soon as a runner is free. No caller waits past the end
-// of its context either: it gets the context's error at once. Its operation
-// is then never run if it was still queued; if its batch had started, it may
-// still be done, as a call cut short may have been. A batch runs under a
-// context that ends when every caller in it has given up.
+// of its context either, even the one that started its batch: it gets the
+// context's error at once. Its operation is then never run if it was still
+// queued; if its batch had started, it may still be done, as a call cut short
+// may have been. A queued batch runs on a goroutine of its own, under a
+// context that ends when every caller in it has given up; if Run panics, the
+// panic is every caller's error. A caller alone runs its batch of one itself,
+// under its own context.
 //
 // The zero Batcher is not usable: set Run.
 type Batcher[T any] struct {
@@ -95,11 +99,15 @@ func (b *Batcher[T]) Do(ctx context.Context, op T) error {
 			w.claim.CompareAndSwap(opQueued, opAbandoned)
 			return ctx.Err()
 		case lead <- struct{}{}:
-			func() {
+			if w.claim.Load() != opQueued { // taken meanwhile: let a queued one lead
+				<-b.lead
+				continue
+			}
+			// The batch runs on a goroutine of its own, so that this caller,
+			// like every other in it, is answered when its context ends.
+			go func() {
 				defer func() { <-b.lead }()
-				if w.claim.Load() == opQueued { // else taken meanwhile: let a queued one lead
-					b.runQueued()
-				}
+				b.runQueued()
 			}()
 		}
 	}
@@ -159,9 +167,15 @@ func (b *Batcher[T]) runQueued() {
 	}
 	errs := []error(nil)
 	defer func() { // also when Run panics: no caller is left waiting
+		var panicked error
+		if r := recover(); r != nil {
+			panicked = fmt.Errorf("store: batch: Run panicked: %v\n%s", r, debug.Stack())
+		}
 		abandoned := ctx.Err() != nil // before the deferred cancel: only every caller's giving up cancels it
 		for i, w := range batch {
 			switch {
+			case panicked != nil:
+				w.err = panicked
 			case i >= len(errs):
 				w.err = fmt.Errorf("store: batch: %d results for %d operations", len(errs), len(batch))
 			case errs[i] != nil && abandoned:

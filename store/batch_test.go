@@ -115,7 +115,7 @@ func TestBatcherUnderLoad(t *testing.T) {
 }
 
 // TestBatcherRunPanics checks that a batch whose Run panics leaves no caller
-// waiting: the panic reaches the runner's caller, the others get an error.
+// waiting: the panic is every caller's error.
 func TestBatcherRunPanics(t *testing.T) {
 	release, started := make(chan struct{}), make(chan struct{})
 	b := &store.Batcher[string]{Run: func(ctx context.Context, ops []string) []error {
@@ -170,6 +170,49 @@ func TestBatcherCallerGivesUpWhileItsBatchRuns(t *testing.T) {
 		t.Fatalf("Do = %v, want context.Canceled", err)
 	}
 	wait.Recv(t, cancelled, 10*time.Second, "the abandoned batch to be cancelled")
+}
+
+// TestBatcherLeaderAnsweredAtItsDeadline: the caller that starts a batch
+// (here one whose deadline is short, with another caller, who has none, in
+// its batch) is answered when its context ends, like every other caller,
+// although the batch runs on. (It waited for the whole batch.)
+func TestBatcherLeaderAnsweredAtItsDeadline(t *testing.T) {
+	releaseFirst, releaseSecond := make(chan struct{}), make(chan struct{})
+	firstRuns, secondRuns := make(chan struct{}), make(chan struct{})
+	b := &store.Batcher[string]{Run: func(ctx context.Context, ops []string) []error {
+		if ops[0] == "first" {
+			close(firstRuns)
+			<-releaseFirst
+		} else {
+			close(secondRuns)
+			select {
+			case <-releaseSecond:
+			case <-ctx.Done(): // only once every caller has given up
+			}
+		}
+		return make([]error, len(ops))
+	}}
+	bg := context.Background()
+	first := make(chan error, 1)
+	go func() { first <- b.Do(bg, "first") }()
+	wait.Recv(t, firstRuns, 10*time.Second, "the first batch to run")
+	short, cancel := context.WithTimeout(bg, 100*time.Millisecond)
+	defer cancel()
+	leader, patient := make(chan error, 1), make(chan error, 1)
+	go func() { leader <- b.Do(short, "short") }() // queued first: leads the next batch
+	wait.Until(t, 10*time.Second, "the short one to queue", func() bool { return b.Queued() == 1 })
+	go func() { patient <- b.Do(bg, "patient") }()
+	wait.Until(t, 10*time.Second, "the patient one to queue", func() bool { return b.Queued() == 2 })
+	close(releaseFirst)
+	wait.Recv(t, first, 10*time.Second, "the first operation")
+	wait.Recv(t, secondRuns, 10*time.Second, "the second batch to run")
+	defer func() { // whatever happened, the second batch ends and its callers with it
+		close(releaseSecond)
+		wait.Recv(t, patient, 10*time.Second, "the patient caller")
+	}()
+	if err := wait.Recv(t, leader, 5*time.Second, "the caller with the short deadline"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the caller with the short deadline: %v, want context.DeadlineExceeded", err)
+	}
 }
 
 // TestIsolate: an operation that fails on its own is reported and the
