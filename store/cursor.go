@@ -28,7 +28,7 @@ func EncodeCursor(owner string, fields ...string) string {
 // owner or holding another number of fields gives an error wrapping
 // [ErrInvalid].
 func DecodeCursor(cursor, owner string, n int) ([]string, error) {
-	bad := fmt.Errorf("%w: scan cursor %q is not one of %s", ErrInvalid, cursor, owner)
+	bad := fmt.Errorf("%w: the scan cursor is not one of %s", ErrInvalid, owner)
 	b, err := base64.RawURLEncoding.DecodeString(cursor)
 	if err != nil || len(b) == 0 || b[0] != cursorVersion {
 		return nil, bad

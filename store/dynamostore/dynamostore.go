@@ -167,7 +167,7 @@ func (s *Store) current(ctx context.Context, op, pk string, ccf *types.Condition
 	}
 	st, err := decode(item)
 	if err != nil {
-		return nil, fmt.Errorf("dynamostore: %s: item %q: %w", op, pk, err)
+		return nil, fmt.Errorf("dynamostore: %s: stored item: %w", op, err)
 	}
 	return st, nil
 }
@@ -439,7 +439,7 @@ func (s *Store) markUnknown(ctx context.Context, pk string, p store.FinishParams
 			return store.ErrLeaseLost
 		}
 		if cur.staleAt < 0 {
-			return fmt.Errorf("dynamostore: finish: item %q is unsettled but has no %s attribute", pk, attrStaleAt)
+			return fmt.Errorf("dynamostore: finish: a stored item is unsettled but has no %s attribute", attrStaleAt)
 		}
 		lower = cur.staleAt > ms(p.Now)
 	}
@@ -462,7 +462,7 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 	}
 	st, err := decode(out.Item)
 	if err != nil {
-		return store.Record{}, fmt.Errorf("dynamostore: get: item %q: %w", pk, err)
+		return store.Record{}, fmt.Errorf("dynamostore: get: stored item: %w", err)
 	}
 	if !st.Live(p.Now) {
 		return store.Record{}, store.ErrNotFound
@@ -563,7 +563,7 @@ func (s *Store) decodeCursor(c string) (position, error) {
 	if err != nil {
 		return position{}, fmt.Errorf("dynamostore: scan: %w", err)
 	}
-	bad := fmt.Errorf("dynamostore: scan: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	bad := fmt.Errorf("dynamostore: scan: %w: the cursor names a position this store does not have", store.ErrInvalid)
 	shard, err := strconv.ParseUint(f[0], 10, 32)
 	if err != nil || shard >= uint64(s.shards) {
 		return position{}, bad
@@ -685,7 +685,7 @@ func (s *Store) decodeListCursor(c string) (map[string]types.AttributeValue, err
 		return nil, fmt.Errorf("dynamostore: list: %w", err)
 	}
 	if f[0] == "" {
-		return nil, fmt.Errorf("dynamostore: list: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+		return nil, fmt.Errorf("dynamostore: list: %w: the cursor names a position this store does not have", store.ErrInvalid)
 	}
 	return keyOf(f[0]), nil
 }

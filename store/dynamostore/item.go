@@ -2,6 +2,7 @@ package dynamostore
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -69,7 +70,7 @@ func parsePK(pk string) (scope, key string, err error) {
 	n, rest, ok := strings.Cut(pk, ":")
 	l, convErr := strconv.Atoi(n)
 	if !ok || convErr != nil || l < 0 || l >= len(rest) || rest[l] != ':' {
-		return "", "", fmt.Errorf("partition key %q is not a scope and key", pk)
+		return "", "", errors.New("a partition key is not a scope and key")
 	}
 	return rest[:l], rest[l+1:], nil
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,6 +44,41 @@ func newStore(t *testing.T, maxConns int32) (*Store, *pgxpool.Pool, string) {
 	return s, pool, schema
 }
 
+// holdRunner starts a batch that runs until the function it returns is
+// called (it waits for an advisory lock, a number of the test's own, that
+// the test holds), so that what the test queues meanwhile runs as one batch.
+func holdRunner(t *testing.T, s *Store, pool *pgxpool.Pool, schema string) (release func()) {
+	t.Helper()
+	bg := context.Background()
+	lock := lockKey(t.Name(), schema) & (1<<31 - 1) // in pg_locks' objid whole
+	hold, err := pool.Acquire(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(hold.Release)
+	if _, err := hold.Exec(bg, "SELECT pg_advisory_lock($1)", lock); err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan error, 1)
+	go func() {
+		held <- s.writes.Do(bg, &write{scope: "", key: "~", sql: "SELECT $1::text, $2::text, pg_advisory_xact_lock($3)", args: []any{"", "~", lock}})
+	}()
+	wait.Until(t, 10*time.Second, "the holding batch to wait for the lock", func() bool {
+		var waiting bool
+		err := hold.QueryRow(bg, `SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND objid = $1 AND NOT granted`, lock).Scan(&waiting)
+		return err == nil && waiting
+	})
+	return func() {
+		t.Helper()
+		if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+			t.Fatal(err)
+		}
+		if err := wait.Recv(t, held, 10*time.Second, "the holding batch"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TestBatch queues writes behind a batch that is still running (it waits
 // for an advisory lock the test holds) and checks that the one batch that
 // then runs them all applies each in its turn, reports each as it went, and
@@ -67,26 +103,7 @@ func TestBatch(t *testing.T) {
 			Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: now.Add(time.Hour)}
 	}
 
-	// A batch that runs until the test lets go of an advisory lock (a
-	// number of this run's own).
-	lock := lockKey("TestBatch", schema) & (1<<31 - 1) // in pg_locks' objid whole
-	hold, err := pool.Acquire(bg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hold.Release()
-	if _, err := hold.Exec(bg, "SELECT pg_advisory_lock($1)", lock); err != nil {
-		t.Fatal(err)
-	}
-	held := make(chan error, 1)
-	go func() {
-		held <- s.writes.Do(bg, &write{scope: "", key: "~", sql: "SELECT $1::text, $2::text, pg_advisory_xact_lock($3)", args: []any{"", "~", lock}})
-	}()
-	wait.Until(t, 10*time.Second, "the holding batch to wait for the lock", func() bool {
-		var waiting bool
-		err := hold.QueryRow(bg, `SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND objid = $1 AND NOT granted`, lock).Scan(&waiting)
-		return err == nil && waiting
-	})
+	release := holdRunner(t, s, pool, schema)
 
 	q := &testkit.Queue{T: t, Waiting: s.writes.Queued, Results: map[string]chan error{}}
 	queue, results := q.Add, q.Results
@@ -104,12 +121,7 @@ func TestBatch(t *testing.T) {
 	if err := wait.Recv(t, results["abandoned acquire d"], 10*time.Second, "the abandoned write to return while the batch runs"); !errors.Is(err, context.Canceled) {
 		t.Fatalf("abandoned write: %v, want context.Canceled", err)
 	}
-	if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
-		t.Fatal(err)
-	}
-	if err := wait.Recv(t, held, 10*time.Second, "the holding batch"); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	for name, want := range map[string]error{"acquire a": nil, "complete a": nil, "complete b": store.ErrLeaseLost, "acquire c": nil} {
 		if err := wait.Recv(t, results[name], 10*time.Second, name); !errors.Is(err, want) || (want == nil) != (err == nil) {
 			t.Errorf("%s: %v, want %v", name, err, want)
@@ -173,5 +185,48 @@ func TestRebuildOutlastsItsCaller(t *testing.T) {
 	res, err := s.Scan(bg, scan)
 	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "stale" {
 		t.Fatalf("Scan after the rebuild = %+v, %v; want the stale record", res, err)
+	}
+}
+
+// TestBatchReportsAnUnreadableRecordToItsCallerAlone: an acquire that finds
+// a record it cannot read (its stored response written by another version
+// of idem, or damaged) fails alone; the batch it ran in committed, and the
+// other writes in it are reported done. (They were reported failed: an
+// acquire that had created its record returned an error, and the key stayed
+// taken by a lease nobody held.)
+func TestBatchReportsAnUnreadableRecordToItsCallerAlone(t *testing.T) {
+	bg := context.Background()
+	s, pool, schema := newStore(t, 3) // one batch at a time
+	now := time.Now().UTC().Truncate(time.Microsecond)
+	fp := store.Fingerprint("POST /charges sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+	acquire := func(key, token string) store.AcquireParams {
+		return store.AcquireParams{Key: key, Fingerprint: fp, Token: token, Now: now, LeaseExpires: now.Add(time.Minute)}
+	}
+	if _, err := s.Acquire(bg, acquire("unreadable", "tok-1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Finish(bg, store.FinishParams{Key: "unreadable", Token: "tok-1", Now: now, State: store.StateCompleted,
+		Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: now.Add(time.Hour)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(bg, "UPDATE "+pgx.Identifier{schema, "records"}.Sanitize()+` SET response = '\x00ff'::bytea`); err != nil {
+		t.Fatal(err)
+	}
+
+	release := holdRunner(t, s, pool, schema)
+	q := &testkit.Queue{T: t, Waiting: s.writes.Queued, Results: map[string]chan error{}}
+	q.Add("replay of the unreadable record", func() error { _, err := s.Acquire(bg, acquire("unreadable", "tok-2")); return err })
+	q.Add("acquire of a new key", func() error { _, err := s.Acquire(bg, acquire("new", "tok-new")); return err })
+	release()
+
+	err := wait.Recv(t, q.Results["replay of the unreadable record"], 10*time.Second, "the replay")
+	if err == nil || errors.Is(err, store.ErrUnavailable) || strings.Contains(err.Error(), "unreadable") {
+		t.Errorf("replay of the unreadable record: %v; want an error, not ErrUnavailable, that does not name the key", err)
+	}
+	if err := wait.Recv(t, q.Results["acquire of a new key"], 10*time.Second, "the acquire"); err != nil {
+		t.Errorf("acquire of a new key in the same batch: %v, want done", err)
+	}
+	if r, err := s.Get(bg, store.GetParams{Key: "new", Now: now}); err != nil || r.Token != "tok-new" {
+		t.Errorf("the new key: %+v, %v; want it held by its acquire", r, err)
 	}
 }

@@ -438,7 +438,11 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		if w.noRow {
 			continue // the row changed after the snapshot: look again
 		}
-		return w.rec, nil
+		r, err := w.row.decode()
+		if err != nil {
+			return store.Record{}, fmt.Errorf("pgstore: acquire: %w", err)
+		}
+		return r, nil
 	}
 	return store.Record{}, fmt.Errorf("pgstore: acquire: %w: the record changed under %d attempts in a row", store.ErrUnavailable, acquireAttempts)
 }
@@ -542,14 +546,14 @@ func (s *Store) finish(ctx context.Context, tx pgx.Tx, op string, p store.Finish
 
 // A write is one statement of a batch, on the record of scope and key
 // (its first two arguments): the acquire statement, whose record is
-// returned (rec, or noRow when it returned none), or an UPDATE, whose rows
-// affected are counted (n).
+// returned (row, decoded by its caller, or noRow when it returned none), or
+// an UPDATE, whose rows affected are counted (n).
 type write struct {
 	scope, key string
 	sql        string
 	args       []any
 	returns    bool
-	rec        store.Record
+	row        stored
 	noRow      bool
 	n          int64
 }
@@ -558,8 +562,7 @@ type write struct {
 // and keeps what it answered.
 func (w *write) answer(row func() pgx.Row, exec func() (pgconn.CommandTag, error)) error {
 	if w.returns {
-		var err error
-		w.rec, err = scanRecord(row())
+		err := w.row.scan(row())
 		if w.noRow = errors.Is(err, pgx.ErrNoRows); w.noRow {
 			return nil
 		}
@@ -831,33 +834,50 @@ func (s *Store) fillDue(ctx context.Context) error {
 
 // scanRecord reads one row of columns.
 func scanRecord(row pgx.Row) (store.Record, error) {
-	var (
-		r                  store.Record
-		state, fingerprint string
-		response, cps      []byte
-		expires            *time.Time
-	)
-	if err := row.Scan(&r.Scope, &r.Key, &state, &fingerprint, &r.Token, &r.Fence, &r.LeaseExpires,
-		&r.TakeoverSafe, &response, &r.Created, &r.Updated, &expires, &cps); err != nil {
+	var st stored
+	if err := st.scan(row); err != nil {
 		return store.Record{}, err
 	}
-	r.State = store.State(state)
-	r.Fingerprint = store.Fingerprint(fingerprint)
+	return st.decode()
+}
+
+// stored is a row of columns as read, before its response and checkpoints
+// are decoded: a batch reads every row it gets before any is decoded, so
+// that a record this build cannot read is its caller's error alone.
+type stored struct {
+	r                  store.Record
+	state, fingerprint string
+	response, cps      []byte
+	expires            *time.Time
+}
+
+func (st *stored) scan(row pgx.Row) error {
+	r := &st.r
+	return row.Scan(&r.Scope, &r.Key, &st.state, &st.fingerprint, &r.Token, &r.Fence, &r.LeaseExpires,
+		&r.TakeoverSafe, &st.response, &r.Created, &r.Updated, &st.expires, &st.cps)
+}
+
+// decode returns the record. Its errors name no key or scope: an error may
+// be logged, and keys are logged only as hashes.
+func (st *stored) decode() (store.Record, error) {
+	r := st.r
+	r.State = store.State(st.state)
+	r.Fingerprint = store.Fingerprint(st.fingerprint)
 	r.LeaseExpires = r.LeaseExpires.UTC()
 	r.Created = r.Created.UTC()
 	r.Updated = r.Updated.UTC()
-	if expires != nil {
-		r.Expires = expires.UTC()
+	if st.expires != nil {
+		r.Expires = st.expires.UTC()
 	}
-	if response != nil {
+	if st.response != nil {
 		r.Response = new(store.Response)
-		if err := r.Response.UnmarshalBinary(response); err != nil {
-			return store.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
+		if err := r.Response.UnmarshalBinary(st.response); err != nil {
+			return store.Record{}, fmt.Errorf("stored record: %w", err)
 		}
 	}
 	var err error
-	if r.Checkpoints, err = store.DecodeCheckpoints(cps); err != nil {
-		return store.Record{}, fmt.Errorf("record %q in scope %q: %w", r.Key, r.Scope, err)
+	if r.Checkpoints, err = store.DecodeCheckpoints(st.cps); err != nil {
+		return store.Record{}, fmt.Errorf("stored record: %w", err)
 	}
 	return r, nil
 }

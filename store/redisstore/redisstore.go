@@ -457,7 +457,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	}
 	r, err := decode(fields)
 	if err != nil {
-		return store.Record{}, fmt.Errorf("redisstore: acquire: record %q: %w", rec, err)
+		return store.Record{}, fmt.Errorf("redisstore: acquire: stored record: %w", err)
 	}
 	return r, nil
 }
@@ -544,7 +544,7 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 	}
 	r, err := decode(fields)
 	if err != nil {
-		return store.Record{}, fmt.Errorf("redisstore: get: record %q: %w", rec, err)
+		return store.Record{}, fmt.Errorf("redisstore: get: stored record: %w", err)
 	}
 	if !r.Live(p.Now) {
 		return store.Record{}, store.ErrNotFound
@@ -665,7 +665,7 @@ func (s *Store) fetch(ctx context.Context, op string, recs []string) ([]*store.R
 		}
 		r, err := decode(fields)
 		if err != nil {
-			return nil, fmt.Errorf("redisstore: %s: record %q: %w", op, recs[i], err)
+			return nil, fmt.Errorf("redisstore: %s: stored record: %w", op, err)
 		}
 		out[i] = &r
 	}
@@ -765,7 +765,7 @@ func (s *Store) decodeCursor(c string) (position, error) {
 	if err != nil {
 		return position{}, fmt.Errorf("redisstore: scan: %w", err)
 	}
-	bad := fmt.Errorf("redisstore: scan: %w: cursor %q names a position this store does not have", store.ErrInvalid, c)
+	bad := fmt.Errorf("redisstore: scan: %w: the cursor names a position this store does not have", store.ErrInvalid)
 	shard, err := strconv.ParseUint(f[0], 10, 32)
 	if err != nil || shard >= uint64(s.shards) || !strings.HasPrefix(f[2], s.tags[shard]+":") {
 		return position{}, bad
@@ -923,14 +923,14 @@ func (s *Store) matching(ctx context.Context, p store.ListParams, keys []string)
 	for i, cmd := range cmds {
 		fields, err := fieldValues(summaryFields, cmd.Val())
 		if err != nil {
-			return nil, fmt.Errorf("redisstore: list: record %q: %w", cands[i], err)
+			return nil, fmt.Errorf("redisstore: list: stored record: %w", err)
 		}
 		if len(fields) == 0 {
 			continue // vanished
 		}
 		r, err := decode(fields)
 		if err != nil {
-			return nil, fmt.Errorf("redisstore: list: record %q: %w", cands[i], err)
+			return nil, fmt.Errorf("redisstore: list: stored record: %w", err)
 		}
 		if p.Match(r) {
 			out = append(out, cands[i])
@@ -963,7 +963,7 @@ func (s *Store) decodeListCursor(cursor string) (listCursor, error) {
 	if err != nil {
 		return listCursor{}, fmt.Errorf("redisstore: list: %w", err)
 	}
-	bad := fmt.Errorf("redisstore: list: %w: cursor %q is malformed", store.ErrInvalid, cursor)
+	bad := fmt.Errorf("redisstore: list: %w: the cursor is malformed", store.ErrInvalid)
 	c := listCursor{addr: f[0], done: f[1] == ""}
 	if !c.done {
 		if c.scan, err = strconv.ParseUint(f[1], 10, 64); err != nil {
