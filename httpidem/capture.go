@@ -171,8 +171,13 @@ func (c *capture) passThrough() {
 	for name, values := range c.header {
 		h[name] = values
 	}
+	// The promise of a replay (here a 409: a streamed response is not
+	// kept) until the record expires, unless what is known now releases
+	// the key or leaves the record UNKNOWN, which never expires.
 	if c.call != nil {
-		h.Set(HeaderExpires, c.call.expires())
+		if v := c.call.verdict.Load(); v == verdictDefault && !releases(v, c.status) {
+			h.Set(HeaderExpires, c.call.expires())
+		}
 	}
 	c.w.WriteHeader(c.status)
 	c.w.Write(c.body.Bytes())

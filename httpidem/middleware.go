@@ -310,6 +310,12 @@ const (
 	verdictUnknown
 )
 
+// releases reports whether a call that ends with verdict and status has
+// its key released (its retry runs again), not its outcome stored.
+func releases(verdict int32, status int) bool {
+	return verdict == verdictNothing || status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable
+}
+
 type callKey struct{}
 
 func callFrom(ctx context.Context) *call {
@@ -578,7 +584,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		// The handler settled the record in its own transaction (Finish).
 	case verdict == verdictUnknown:
 		err = eng.MarkUnknown(settle, lease)
-	case verdict == verdictNothing, status == http.StatusTooManyRequests, status == http.StatusServiceUnavailable:
+	case releases(verdict, status):
 		err = eng.Release(settle, lease)
 	default:
 		resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}

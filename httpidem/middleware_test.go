@@ -431,6 +431,32 @@ func TestFailOpenOnlyWhenUnreachable(t *testing.T) {
 	}
 }
 
+// TestStreamedReleaseMakesNoPromise: a response streamed (flushed) before
+// the handler ends is sent with Idempotency-Expires only when its status
+// keeps the record: a streamed 503 or 429 releases the key, and its
+// retry runs, so it promises nothing.
+func TestStreamedReleaseMakesNoPromise(t *testing.T) {
+	forEachStore(t, func(t *testing.T, store idem.Store) {
+		a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/busy" {
+				w.WriteHeader(503)
+			}
+			io.WriteString(w, "event: 1\n")
+			http.NewResponseController(w).Flush()
+		}}
+		srv := serve(t, httpidem.Config{Engine: newEngine(t, store)}, a)
+		if r := send(t, srv, "POST", "/busy", "k1", "x"); r.status != 503 || r.header.Get(idem.HeaderExpires) != "" {
+			t.Fatalf("streamed 503: %d with %s %q; want no promise", r.status, idem.HeaderExpires, r.header.Get(idem.HeaderExpires))
+		}
+		if r := send(t, srv, "POST", "/busy", "k1", "x"); r.status != 503 || a.runs.Load() != 2 {
+			t.Fatalf("its retry: %d, ran %d times; want it run again", r.status, a.runs.Load())
+		}
+		if r := send(t, srv, "POST", "/ok", "k2", "x"); r.status != 200 || r.header.Get(idem.HeaderExpires) == "" {
+			t.Fatalf("streamed 200: %d with %s %q; want the promise", r.status, idem.HeaderExpires, r.header.Get(idem.HeaderExpires))
+		}
+	})
+}
+
 func TestNothingHappenedReleasesKey(t *testing.T) {
 	forEachStore(t, func(t *testing.T, store idem.Store) {
 		for _, c := range []struct {
