@@ -20,7 +20,7 @@ func TestCanonicalJSON(t *testing.T) {
 			t.Errorf("CanonicalJSON(%s)\n got %s, %v\nwant %s", in, got, err, want)
 		}
 	}
-	for _, bad := range []string{`{"a":1} x`, `{"a":`, `1e999`} {
+	for _, bad := range []string{`{"a":1} x`, `{"a":`, `1e999`, `{"a":1}}`, `[1]]`, `{"a":1} {"a":1}`} {
 		if _, err := httpidem.CanonicalJSON([]byte(bad)); err == nil {
 			t.Errorf("CanonicalJSON(%s) accepted", bad)
 		}
