@@ -364,10 +364,10 @@ func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention ti
 // work that one of its callers runs (Begin asks the store then, which may
 // know that somebody else settled the record meanwhile).
 func (e *Engine) known(p BeginParams, waiting bool) (Outcome, bool) {
-	if out, ok := e.journal.replay(p.Scope, p.Key, p.Fingerprint); ok {
+	now := e.clock.Now()
+	if out, ok := e.journal.replay(p.Scope, p.Key, p.Fingerprint, now); ok {
 		return out, true
 	}
-	now := e.clock.Now()
 	if rec, ok := e.cache.get(p.Scope, p.Key, now); ok {
 		return decide(rec, p.Fingerprint, now), true
 	}

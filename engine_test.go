@@ -371,6 +371,35 @@ func TestStoreKnownDownFailsFast(t *testing.T) {
 	}
 }
 
+// TestJournalReplaysUntilTheRetention: an outcome that waits in the
+// journal for the store is replayed by this engine, but not once its
+// retention has run out: a request with that key then is a new one (here it
+// fails closed, the store being down still), not the old one answered again.
+func TestJournalReplaysUntilTheRetention(t *testing.T) {
+	s := &flakyStore{Store: memstore.New()}
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 100 * time.Millisecond, Retention: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := idem.BeginParams{Key: "k", Fingerprint: payload}
+	out, err := e.Begin(ctx, p)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	s.down.Store(true)
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatalf("Complete with the store down: %v, want it kept in the journal", err)
+	}
+	replay, err := e.Begin(ctx, p)
+	if err != nil || replay.Decision != idem.Replay {
+		t.Fatalf("Begin with the outcome in the journal: %v, %v; want a replay", replay.Decision, err)
+	}
+	wait.Until(t, 5*time.Second, "the retention to run out", func() bool { return time.Now().After(replay.Record.Expires) })
+	if out, err := e.Begin(ctx, p); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Begin after the retention: %v, %v; want ErrUnavailable (a new request, the store down)", out.Decision, err)
+	}
+}
+
 // TestCompleteStampsExpiry: a completed outcome carries Idempotency-Expires,
 // the time its record stops being replayed, on the caller's response (for
 // the first answer) and on every replay.

@@ -174,15 +174,17 @@ func (j *journal) write(ent *journalEntry) error {
 
 // replay answers a Begin from a completed entry that waits for the store: a
 // client that was given the outcome gets it again even while the store is
-// away.
-func (j *journal) replay(scope, key string, fp Fingerprint) (Outcome, bool) {
+// away, until its retention runs out (then a request with the key is a new
+// one, as it would be for the store).
+func (j *journal) replay(scope, key string, fp Fingerprint, now time.Time) (Outcome, bool) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if len(j.byRecord) == 0 {
 		return Outcome{}, false
 	}
 	ent := j.byRecord[KeyHash(scope, key)]
-	if ent == nil || ent.Params.Scope != scope || ent.Params.Key != key {
+	if ent == nil || ent.Params.Scope != scope || ent.Params.Key != key ||
+		(!ent.Params.Expires.IsZero() && !now.Before(ent.Params.Expires)) {
 		return Outcome{}, false
 	}
 	p := ent.Params
