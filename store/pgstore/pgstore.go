@@ -35,7 +35,8 @@
 // for it in the same round trip, and when it is missing the store rebuilds
 // the table from records (about 13 µs a record here: 27 s for 2 million)
 // and answers once it is whole; a scan or prune whose deadline comes first
-// is unavailable, and the rebuild goes on. Applied migrations are listed in
+// is unavailable, and the rebuild goes on. It copies 10,000 records per
+// transaction, so a write meanwhile waits at most for the part under way. Applied migrations are listed in
 // <schema>.migrations:
 //
 //	001_records.sql      the table and its indexes
@@ -173,7 +174,7 @@ type Store struct {
 	schema string // as configured, unquoted
 
 	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, listSQL, pruneSQL string
-	dueWholeSQL, dueRebuildSQL                                                         string
+	dueWholeSQL, dueFillSQL, dueMarkSQL                                                string
 
 	// writes sends the writes that callers make at the same time as one
 	// batch: one round trip and one transaction (one commit) for all.
@@ -215,7 +216,8 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		listSQL:       sub(listSQL),
 		pruneSQL:      sub(pruneSQL),
 		dueWholeSQL:   sub(dueWholeSQL),
-		dueRebuildSQL: sub(dueRebuildSQL),
+		dueFillSQL:    sub(dueFillSQL),
+		dueMarkSQL:    sub(dueMarkSQL),
 	}
 	s.writes.Run = s.batch
 	s.writes.Runners = max(1, int(cfg.Pool.Config().MaxConns)/2) // the rest for reads, scans and listeners
@@ -335,7 +337,7 @@ WHERE scope = $1 AND key = $2 AND (expires IS NULL OR expires > $3)`
 // walking the unsettled rows of records_due in key order and reading each
 // record by its primary key; the state is checked on the record, since
 // records_due may hold a row that is no longer true after it was rebuilt
-// (see dueRebuildSQL). Keys are never empty, so the cursor made of an empty
+// (see dueFillSQL). Keys are never empty, so the cursor made of an empty
 // scope and an empty key starts after records_due's mark and before
 // every record.
 var scanSQL = `
@@ -378,31 +380,42 @@ WHERE ctid = ANY (ARRAY(
 
 // dueWholeSQL tells whether records_due holds its mark, the row of the
 // empty scope and key (no record has an empty key), which
-// dueRebuildSQL writes last: PostgreSQL empties an unlogged table after a
+// a rebuild writes last (dueMarkSQL): PostgreSQL empties an unlogged table after a
 // crash, and the migration that creates it leaves it empty.
 const dueWholeSQL = `SELECT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')`
 
-// dueRebuildSQL fills records_due from records, and writes the mark to say
-// that it is whole, unless a rebuild has done so already. It runs while
-// records are written: the triggers of a write that commits after its
-// snapshot either find the row it wrote and update it, or write theirs first
-// and it leaves them alone, so every row ends true, save one case: a record
-// deleted after the snapshot whose row the rebuild then writes. Such a row
-// names no record and is skipped by scans and prunes, which join records.
-// It writes its rows in (scope, key) order, the order in which batches lock
-// records (and their triggers the rows here), so that it never waits on a
-// batch that waits on it: a write whose row it has written waits for it
-// to commit, and one it then meets it waits for, but not both.
-const dueRebuildSQL = `
-INSERT INTO {{due}} (scope, key, expires)
-SELECT scope, key, expires FROM (
+// dueFillSQL copies into records_due the records after ($1, $2), in (scope,
+// key) order, up to $3 of them, and returns how many it read and the last
+// one's scope and key: one part of a rebuild, in a transaction of its own,
+// so that a write waits at most for the part under way (a write whose row
+// of records_due a rebuild has written but not committed waits for it),
+// not for the whole rebuild. It runs while records are written: the
+// triggers of a write that commits after its snapshot either find the row
+// it wrote and update it, or write theirs first and it leaves them alone,
+// so every row ends true, save one case: a record deleted after the
+// snapshot whose row the rebuild then writes. Such a row names no record
+// and is skipped by scans and prunes, which join records. It writes in
+// (scope, key) order, the order in which batches lock records (and their
+// triggers the rows here), so that it never waits on a batch that waits on
+// it.
+const dueFillSQL = `
+WITH part AS (
 	SELECT scope, key, expires FROM {{table}}
-	WHERE NOT EXISTS (SELECT FROM {{due}} WHERE scope = '' AND key = '')
-	UNION ALL
-	SELECT '', '', NULL
-) AS rows
-ORDER BY scope, key
-ON CONFLICT (scope, key) DO NOTHING`
+	WHERE (scope, key) > ($1::text, $2::text)
+	ORDER BY scope, key
+	LIMIT $3
+), copied AS (
+	INSERT INTO {{due}} (scope, key, expires)
+	SELECT scope, key, expires FROM part ORDER BY scope, key
+	ON CONFLICT (scope, key) DO NOTHING
+)
+SELECT (SELECT count(*) FROM part), last.scope, last.key
+FROM (SELECT) AS one
+LEFT JOIN LATERAL (SELECT scope, key FROM part ORDER BY scope DESC, key DESC LIMIT 1) AS last ON true`
+
+// dueMarkSQL writes the mark that says records_due is whole, once a
+// rebuild has copied every record.
+const dueMarkSQL = `INSERT INTO {{due}} (scope, key, expires) VALUES ('', '', NULL) ON CONFLICT (scope, key) DO NOTHING`
 
 // qualified prefixes each name of a comma-separated list of columns with
 // the table alias a.
@@ -815,21 +828,46 @@ type fill struct {
 	err  error
 }
 
-// fillDue runs dueRebuildSQL under a lock that makes concurrent fills, in
-// other processes, wait for the first rather than repeat its work.
+// dueChunk is how many records one transaction of a rebuild copies.
+const dueChunk = 10000
+
+// fillDue rebuilds records_due, part by part (dueFillSQL), and then writes
+// its mark, under a lock that makes concurrent rebuilds, in other
+// processes, wait for the first rather than repeat its work: a lock of the
+// session, on a connection of its own, held across the parts.
 func (s *Store) fillDue(ctx context.Context) error {
-	tx, err := s.pool.Begin(ctx)
+	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = tx.Rollback(ctx) }() // a no-op after Commit
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey("records_due", s.schema)); err != nil {
+	defer conn.Release()
+	lock := lockKey("records_due", s.schema)
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", lock); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, s.dueRebuildSQL); err != nil {
-		return err
+	defer func() {
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+			conn.Conn().Close(ctx) // never back to the pool with the lock held
+		}
+	}()
+	var whole bool
+	if err := conn.QueryRow(ctx, s.dueWholeSQL).Scan(&whole); err != nil || whole {
+		return err // or rebuilt by another while this one waited for the lock
 	}
-	return tx.Commit(ctx)
+	scope, key := "", "" // before every record: keys are never empty
+	for {
+		var n int
+		var lastScope, lastKey *string
+		if err := conn.QueryRow(ctx, s.dueFillSQL, scope, key, dueChunk).Scan(&n, &lastScope, &lastKey); err != nil {
+			return err
+		}
+		if n < dueChunk {
+			break
+		}
+		scope, key = *lastScope, *lastKey
+	}
+	_, err = conn.Exec(ctx, s.dueMarkSQL)
+	return err
 }
 
 // scanRecord reads one row of columns.

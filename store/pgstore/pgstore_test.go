@@ -625,10 +625,11 @@ func TestRoundTrips(t *testing.T) {
 	})
 	cost("Get", 1, 1, func() error { _, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); return err })
 	// The first scan of a new schema finds records_due not yet filled
-	// (TestRecordsDueRebuilt): the check and the scan, then BEGIN, the lock,
-	// the rebuild, COMMIT, and the scan again. From then on a scan or a prune
-	// is the check and the statement, in one round trip.
-	cost("first Scan", 7, 6, func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
+	// (TestRecordsDueRebuilt): the check and the scan, then the lock, the
+	// check again, the rebuild's one part (the table is small), the mark,
+	// the unlock, and the scan again. From then on a scan or a prune is the
+	// check and the statement, in one round trip.
+	cost("first Scan", 8, 7, func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
 	cost("Scan", 2, 1, func() error { _, err := s.Scan(ctx, store.ScanParams{Now: t0}); return err })
 	cost("Prune", 2, 1, func() error { _, err := s.Prune(ctx, store.PruneParams{Now: t0}); return err })
 	cost("List", 1, 1, func() error { _, err := s.List(ctx, store.ListParams{Now: t0}); return err })
