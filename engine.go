@@ -195,7 +195,7 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 	detached := context.WithoutCancel(ctx)
 	for n := 0; ; n++ {
 		actx, cancel := context.WithDeadline(detached, deadline)
-		err := op(actx)
+		err := unanswered(actx, op(actx))
 		cancel()
 		if err == nil || !errors.Is(err, ErrUnavailable) {
 			e.answered()
@@ -208,6 +208,18 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 		}
 		time.Sleep(pause)
 	}
+}
+
+// unanswered returns err, made to wrap [ErrUnavailable] when ctx, the
+// context of the store call that returned it, has run out: the store did
+// not answer in time, whatever error it gave (a store may return the
+// context's own error, or one of its own caused by it), so the call's
+// outcome is not known, and it is retried or kept, never taken as refused.
+func unanswered(ctx context.Context, err error) error {
+	if err != nil && ctx.Err() != nil && !errors.Is(err, ErrUnavailable) {
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
+	return err
 }
 
 // Now returns the engine's clock reading, for what acts in the engine's

@@ -344,7 +344,9 @@ func (s *flakyStore) Acquire(ctx context.Context, p store.AcquireParams) (idem.R
 // requests fail closed at once, until the store answers again.
 func TestStoreKnownDownFailsFast(t *testing.T) {
 	s := &flakyStore{Store: memstore.New()}
-	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 100 * time.Millisecond})
+	// Retries at 10, 50 and 210 ms, then at 710: a machine that stalls for
+	// most of the timeout cannot make a retried call look like one attempt.
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -364,6 +366,9 @@ func TestStoreKnownDownFailsFast(t *testing.T) {
 	if err := begin("c"); err != nil {
 		t.Fatalf("once the store answers: %v", err)
 	}
+	// The releases of the acquires whose answers were lost land first (a
+	// landing that fails while the store is down again would count it down).
+	wait.Until(t, 10*time.Second, "the journal to land its releases", func() bool { return e.Pending() == 0 })
 	s.down.Store(true)
 	s.attempts.Store(0)
 	if err := begin("d"); !errors.Is(err, idem.ErrUnavailable) || s.attempts.Load() < 2 {

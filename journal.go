@@ -67,13 +67,20 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 	for _, path := range names {
 		name := filepath.Base(path)
 		if strings.HasSuffix(name, ".tmp") {
-			os.Remove(path) // a write that never completed was never reported kept
+			// A write that never completed was never reported kept; one
+			// under way in another engine sharing the directory is young.
+			if info, err := os.Stat(path); err == nil && time.Since(info.ModTime()) > staleTemp {
+				os.Remove(path)
+			}
 			continue
 		}
 		if !strings.HasSuffix(name, ".json") {
 			continue
 		}
 		data, err := os.ReadFile(path)
+		if errors.Is(err, os.ErrNotExist) {
+			continue // landed and removed meanwhile by another engine sharing the directory
+		}
 		if err != nil {
 			return nil, fmt.Errorf("idem: journal: %w", err)
 		}
@@ -103,9 +110,16 @@ func (j *journal) add(ent *journalEntry) {
 	}
 }
 
+// staleTemp is how old a temporary file in the journal's directory must be
+// for an engine opened on it to remove it: a write takes moments.
+const staleTemp = time.Minute
+
+// entryName names the file of p: one per settling write, so that the
+// owner's late Complete after its MarkUnknown, under the same token, is an
+// entry of its own, not one that landing the first would remove.
 func entryName(p FinishParams) string {
 	h := sha256.New()
-	for _, part := range []string{p.Scope, p.Key, p.Token} {
+	for _, part := range []string{p.Scope, p.Key, p.Token, string(p.State)} {
 		h.Write([]byte(part))
 		h.Write([]byte{0})
 	}
@@ -277,7 +291,7 @@ func (j *journal) round() (empty bool) {
 func (j *journal) land(ent *journalEntry) bool {
 	p := ent.Params
 	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
-	err := j.e.store.Finish(ctx, p)
+	err := unanswered(ctx, j.e.store.Finish(ctx, p))
 	cancel()
 	if errors.Is(err, ErrUnavailable) {
 		j.e.down.Store(true) // the first call the store answers pokes the loop

@@ -635,12 +635,18 @@ func scanRecord(row interface{ Scan(...any) error }) (*store.Record, error) {
 }
 
 // translate maps driver errors into the root's vocabulary: a database that
-// stays locked or busy, cannot be opened or read is unavailable; the root's
-// sentinels and context errors pass through.
+// stays locked or busy, cannot be opened or read, or a call not done by its
+// deadline is unavailable; the root's sentinels and a cancellation pass
+// through.
 func translate(op string, err error) error {
 	if err == nil || errors.Is(err, store.ErrLeaseLost) || errors.Is(err, store.ErrNotFound) ||
-		errors.Is(err, store.ErrInvalid) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		errors.Is(err, store.ErrInvalid) || errors.Is(err, context.Canceled) {
 		return err
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		// Not done in time (waiting for another process's write lock, say):
+		// a write may still commit, so its outcome is not known.
+		return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	var se *sqlite.Error
 	if errors.As(err, &se) {

@@ -216,3 +216,54 @@ func TestFinishTxNeedsItsTransaction(t *testing.T) {
 		}
 	}
 }
+
+// TestWriteLockHeldIsUnavailable: while another process holds the
+// database's write lock (longer than the caller's deadline, shorter than
+// the busy timeout), a write that cannot start in time is unavailable: its
+// outcome is not known (it may still commit once the lock is free), so the
+// engine keeps it and tries again, and the outcome a client was given is
+// stored once the lock is free, not dropped.
+func TestWriteLockHeldIsUnavailable(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s := open(t, path)
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	other, err := sql.Open("sqlite", path) // another process's connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	conn, err := other.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err = s.Acquire(short, store.AcquireParams{Key: "other", Fingerprint: payload, Token: "tok", Now: time.Now(), LeaseExpires: time.Now().Add(time.Minute)})
+	if !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Acquire while the write lock is held: %v, want ErrUnavailable", err)
+	}
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("charged")}); err != nil {
+		t.Fatalf("Complete while the write lock is held: %v, want the outcome kept", err)
+	}
+	if e.Pending() != 1 {
+		t.Fatalf("%d outcomes wait in the journal, want the one Complete kept", e.Pending())
+	}
+	if _, err := conn.ExecContext(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	wait.Until(t, 10*time.Second, "the kept outcome to be stored", func() bool {
+		r, err := s.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
+		return err == nil && r.State == idem.StateCompleted && string(r.Response.Body) == "charged"
+	})
+}

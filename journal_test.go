@@ -1,0 +1,148 @@
+package idem_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store"
+	"github.com/idemhq/idem/store/memstore"
+)
+
+// modalStore answers each settling write by its state as the test says:
+// unavailable, held until released, or through to the store.
+type modalStore struct {
+	idem.Store
+	mu      sync.Mutex
+	mode    map[idem.State]string // "down", "hold"; anything else: through
+	held    chan struct{}         // a held write has arrived
+	release chan struct{}
+}
+
+func (s *modalStore) set(state idem.State, mode string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mode[state] = mode
+}
+
+func (s *modalStore) Finish(ctx context.Context, p store.FinishParams) error {
+	s.mu.Lock()
+	mode := s.mode[p.State]
+	s.mu.Unlock()
+	switch mode {
+	case "down":
+		return idem.ErrUnavailable
+	case "hold":
+		s.held <- struct{}{}
+		<-s.release
+	}
+	return s.Store.Finish(ctx, p)
+}
+
+// TestLateCompleteAfterMarkUnknownIsKept: the owner marks its record
+// UNKNOWN and then, late, completes it, under the same lease, both while
+// the store is away, so both wait in the journal. The MARK lands while the
+// Complete waits: the Complete is still kept, and lands. (Both were one
+// file, by lease; landing the mark removed the outcome the client had
+// been given, and the record stayed UNKNOWN.)
+func TestLateCompleteAfterMarkUnknownIsKept(t *testing.T) {
+	s := &modalStore{Store: memstore.New(), mode: map[idem.State]string{}, held: make(chan struct{}), release: make(chan struct{})}
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 100 * time.Millisecond, JournalDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close(context.Background()) })
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	s.set(idem.StateUnknown, "down")
+	s.set(idem.StateCompleted, "down")
+	if err := e.MarkUnknown(ctx, out.Lease); err != nil {
+		t.Fatalf("MarkUnknown with the store away: %v, want it kept", err)
+	}
+	s.set(idem.StateUnknown, "hold") // the journal's next try of the mark is on its way
+	wait.Recv(t, s.held, 10*time.Second, "the journal to send the mark")
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("charged")}); err != nil {
+		t.Fatalf("the late Complete with the store away: %v, want it kept", err)
+	}
+	s.set(idem.StateCompleted, "")
+	close(s.release) // the mark lands
+	wait.Until(t, 10*time.Second, "the late outcome to be stored", func() bool {
+		r, err := s.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
+		return err == nil && r.State == idem.StateCompleted && string(r.Response.Body) == "charged"
+	})
+}
+
+// plainDeadlineStore's settling writes take longer than their deadline and
+// then return the context's own error, as a store that passes it through
+// does, without saying that it did not answer.
+type plainDeadlineStore struct{ idem.Store }
+
+func (plainDeadlineStore) Finish(ctx context.Context, _ store.FinishParams) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestUnansweredWriteIsKept: a settling write that the store did not answer
+// by its deadline is kept in the journal, whatever error the store gave
+// with it: its outcome is not known. (A plain deadline error was taken as
+// the store's refusal, and the outcome was dropped.)
+func TestUnansweredWriteIsKept(t *testing.T) {
+	e, err := idem.New(idem.Config{Store: plainDeadlineStore{memstore.New()}, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatalf("Complete unanswered: %v, want it kept", err)
+	}
+	if e.Pending() != 1 {
+		t.Fatalf("%d outcomes in the journal, want 1", e.Pending())
+	}
+}
+
+// TestSharedJournalDirectory: engines in several processes may share one
+// JournalDir. One opened on it leaves alone the file another is writing
+// (a young temporary file) and a file that another removes as it reads the
+// directory, and removes what a crash left half-written long ago. (It
+// removed every temporary file, so another engine's outcome being written
+// was lost, and it failed to start on a file removed under it.)
+func TestSharedJournalDirectory(t *testing.T) {
+	dir := t.TempDir()
+	writing := filepath.Join(dir, "0123.json.tmp")
+	crashed := filepath.Join(dir, "4567.json.tmp")
+	for _, f := range []string{writing, crashed} {
+		if err := os.WriteFile(f, []byte("{"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	long := time.Now().Add(-time.Hour)
+	if err := os.Chtimes(crashed, long, long); err != nil {
+		t.Fatal(err)
+	}
+	// Listed, then gone: what an entry that another engine lands and
+	// removes looks like to one reading the directory.
+	if err := os.Symlink(filepath.Join(dir, "landed-meanwhile"), filepath.Join(dir, "89ab.json")); err != nil {
+		t.Fatal(err)
+	}
+	e, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: dir})
+	if err != nil {
+		t.Fatalf("New on a shared journal directory: %v", err)
+	}
+	defer e.Close(context.Background())
+	if _, err := os.Stat(writing); err != nil {
+		t.Errorf("the file another engine is writing: %v, want it left alone", err)
+	}
+	if _, err := os.Stat(crashed); !os.IsNotExist(err) {
+		t.Errorf("the file a crash left an hour ago: %v, want it removed", err)
+	}
+}
