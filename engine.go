@@ -577,6 +577,9 @@ func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 	} else {
 		sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
 		err = e.store.Finish(sctx, p)
+		if ctx.Err() == nil { // the caller's own cancellation is its answer
+			err = unanswered(sctx, err)
+		}
 		cancel()
 	}
 	if err == nil || errors.Is(err, ErrLeaseLost) {
