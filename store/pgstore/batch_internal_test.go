@@ -170,10 +170,18 @@ func TestRebuildOutlastsItsCaller(t *testing.T) {
 		t.Fatal(err)
 	}
 	scan := store.ScanParams{Now: now.Add(time.Minute)}
-	short, cancel := context.WithTimeout(bg, 300*time.Millisecond)
+	short, cancel := context.WithTimeout(bg, 2*time.Second)
 	defer cancel()
-	if res, err := s.Scan(short, scan); !errors.Is(err, store.ErrUnavailable) {
-		t.Fatalf("Scan while records_due is rebuilt = %+v, %v; want ErrUnavailable", res, err)
+	scanned := make(chan error, 1)
+	go func() { _, err := s.Scan(short, scan); scanned <- err }()
+	wait.Until(t, 10*time.Second, "the rebuild to wait for its lock", func() bool {
+		var waiting bool
+		err := hold.QueryRow(bg, `SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+			AND ((classid::bigint << 32) | objid::bigint) = $1`, lock).Scan(&waiting)
+		return err == nil && waiting
+	})
+	if err := wait.Recv(t, scanned, 10*time.Second, "the scan whose deadline passed"); !errors.Is(err, store.ErrUnavailable) {
+		t.Fatalf("Scan while records_due is rebuilt: %v; want ErrUnavailable", err)
 	}
 	if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
 		t.Fatal(err)
@@ -266,11 +274,11 @@ func TestRebuildLetsWritesThrough(t *testing.T) {
 	if err := hold.QueryRow(bg, "SELECT pg_backend_pid()").Scan(&holder); err != nil {
 		t.Fatal(err)
 	}
-	short, cancel := context.WithTimeout(bg, 100*time.Millisecond)
-	defer cancel()
-	if _, err := s.Scan(short, store.ScanParams{Now: now}); !errors.Is(err, store.ErrUnavailable) {
-		t.Fatalf("Scan while records_due is rebuilt: %v, want ErrUnavailable", err)
-	}
+	scanned := make(chan error, 1)
+	go func() { // finds records_due empty, and waits for its rebuild
+		_, err := s.Scan(bg, store.ScanParams{Now: now})
+		scanned <- err
+	}()
 	wait.Until(t, 30*time.Second, "the rebuild to reach the row the test holds", func() bool {
 		var waiting bool
 		err := pool.QueryRow(bg, "SELECT count(*) > 0 FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))", holder).Scan(&waiting)
@@ -286,10 +294,9 @@ func TestRebuildLetsWritesThrough(t *testing.T) {
 	if err := hold.Rollback(bg); err != nil {
 		t.Fatal(err)
 	}
-	wait.Until(t, 30*time.Second, "the rebuild to end", func() bool {
-		var whole bool
-		return pool.QueryRow(bg, s.dueWholeSQL).Scan(&whole) == nil && whole
-	})
+	if err := wait.Recv(t, scanned, 30*time.Second, "the scan that waited for the rebuild"); err != nil {
+		t.Fatalf("the scan that waited for the rebuild: %v", err)
+	}
 	var rows, settled int
 	if err := pool.QueryRow(bg, `SELECT count(*), count(expires) FROM `+due+` WHERE key <> ''`).Scan(&rows, &settled); err != nil {
 		t.Fatal(err)
