@@ -41,7 +41,7 @@ var settingHelp = map[string]string{
 	"console_read_only":   "serve the console with no action, and no token needed",
 	"console_mask":        "hide keys and stored bodies in the console",
 	"audit_log":           "`file` the console's actions are appended to",
-	"upstream_timeout":    "wait for the upstream's response headers; past it the outcome is unknown",
+	"upstream_timeout":    "wait for the upstream's response headers, then for each part of its body; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
 	"lease":               "lease length, renewed while the upstream works",
 	"retention":           "how long outcomes are replayed",
@@ -68,7 +68,7 @@ var settingHelp = map[string]string{
 	"store_headers":       "store and replay only these response `header`s (repeatable)",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
-	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503",
+	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read)",
 }
 
 // zeroMeans says what a setting left empty means, where that is not

@@ -7,11 +7,15 @@
 //
 //   - the request could not be sent (connection refused before any byte was
 //     written): nothing happened, the key is released, a retry runs;
-//   - it was sent but no response came back (reset, timeout): the outcome is
-//     unknown, and a retry gets 409 operation-uncertain instead of a second
-//     execution;
+//   - it was sent but no response came back (reset, timeout), or the
+//     response stopped mid-body (cut, or nothing for upstream_timeout): the
+//     outcome is unknown, and a retry gets 409 operation-uncertain instead
+//     of a second execution;
 //   - the upstream answered 429 or 503: released;
-//   - any other answer is stored and replayed.
+//   - any other answer is stored and replayed: kept whole, with or without
+//     a Content-Length, up to the size limit; a stream (text/event-stream)
+//     goes through as it comes and is not kept (its retry gets 409
+//     response-not-replayable).
 //
 // A request to the upstream is never sent twice by the transport itself
 // (see neverResent). The proxy starts whether or not its store answers,
@@ -123,8 +127,9 @@ type Config struct {
 	// AuditLog is the file the console's actions are appended to. Defaults
 	// to none: the audit log is kept in memory only.
 	AuditLog string `yaml:"audit_log"`
-	// UpstreamTimeout bounds the wait for the upstream's response headers;
-	// past it the outcome is unknown. Defaults to [DefaultUpstreamTimeout].
+	// UpstreamTimeout bounds the wait for the upstream's response headers,
+	// and then for each part of its body; past it the outcome is unknown.
+	// Defaults to [DefaultUpstreamTimeout].
 	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
 	// finish and store their outcome. Defaults to [DefaultShutdownTimeout].
@@ -312,7 +317,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 			if err != nil {
 				return fmt.Errorf("route %q: %w", pattern, err)
 			}
-			h = mw.Wrap(up)
+			h = mw.Wrap(keptWhole(up))
 		}
 		mux.Handle(pattern, h)
 		return nil
@@ -394,6 +399,54 @@ func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 
 type sentKey struct{}
 
+// stallKey holds the cancellation of a request to the upstream, which its
+// response's body calls when the upstream stops sending it.
+type stallKey struct{}
+
+// stallingBody is an upstream response's body that gives up, cancelling
+// its request, when no byte of it comes for timeout: an upstream that
+// stalls mid-body would otherwise hold the key in progress for as long as
+// it keeps the connection open. (The transport bounds only the wait for
+// the headers.)
+type stallingBody struct {
+	io.ReadCloser
+	timeout time.Duration
+	timer   *time.Timer
+}
+
+func (b *stallingBody) Read(p []byte) (int, error) {
+	b.timer.Reset(b.timeout)
+	n, err := b.ReadCloser.Read(p)
+	b.timer.Stop()
+	return n, err
+}
+
+func (b *stallingBody) Close() error {
+	b.timer.Stop()
+	return b.ReadCloser.Close()
+}
+
+// streamsOnly passes a flush through only for a stream (text/event-stream):
+// the reverse proxy flushes every response of unknown length as it comes,
+// which would make it a stream, neither kept nor replayed; any other
+// response is kept whole (up to the size limit), then sent.
+type streamsOnly struct{ http.ResponseWriter }
+
+func (w streamsOnly) FlushError() error {
+	if ct := w.Header().Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
+		return nil
+	}
+	return http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+func (w streamsOnly) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// keptWhole is up, for the middleware: a response is kept whole unless it
+// is a stream (see streamsOnly).
+func keptWhole(up http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { up.ServeHTTP(streamsOnly{w}, r) })
+}
+
 // upstream is a reverse proxy that tells the middleware whether a failed
 // request reached the upstream at all.
 func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Handler {
@@ -414,11 +467,19 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			pr.Out.Host = pr.In.Host
 			neverResent(pr.Out)
 			var sent atomic.Bool
-			ctx := context.WithValue(pr.Out.Context(), sentKey{}, &sent)
+			ctx, cancel := context.WithCancel(pr.Out.Context()) // ended with the request's, or by stallingBody
+			ctx = context.WithValue(ctx, sentKey{}, &sent)
+			ctx = context.WithValue(ctx, stallKey{}, cancel)
 			ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 				WroteHeaders: func() { sent.Store(true) },
 			})
 			pr.Out = pr.Out.WithContext(ctx)
+		},
+		ModifyResponse: func(res *http.Response) error {
+			if cancel, ok := res.Request.Context().Value(stallKey{}).(context.CancelFunc); ok {
+				res.Body = &stallingBody{ReadCloser: res.Body, timeout: timeout, timer: time.AfterFunc(timeout, cancel)}
+			}
+			return nil
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			sent, _ := r.Context().Value(sentKey{}).(*atomic.Bool)

@@ -242,6 +242,75 @@ func TestUpstreamBusyReleases(t *testing.T) {
 	}
 }
 
+// TestUnsizedResponseIsReplayed: a response the upstream sends without a
+// Content-Length (chunked: a Go handler's body over 2 KiB, most Node and
+// Java servers) is kept and replayed like any other; only a stream
+// (text/event-stream) goes through as it comes and is not kept. (The
+// reverse proxy flushed every unsized response as it came, which made it a
+// stream: not kept, and its retry got 409 response-not-replayable.)
+func TestUnsizedResponseIsReplayed(t *testing.T) {
+	big := strings.Repeat("x", 3000)
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		if r.URL.Path == "/events" {
+			w.Header().Set("Content-Type", "text/event-stream")
+		}
+		w.WriteHeader(201)
+		io.WriteString(w, big) // over net/http's 2 KiB buffer: sent chunked
+	}}
+	srv := start(t, proxy.Config{}, mustEngine(t, memstore.New()), up)
+	first := post(t, srv, "/pay", "k", "x")
+	if first.status != 201 || first.body != big {
+		t.Fatalf("first: %d, %d bytes", first.status, len(first.body))
+	}
+	if again := post(t, srv, "/pay", "k", "x"); again.status != 201 || again.body != big || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("retry: %d %q, %d bytes; want the replay", again.status, again.typ, len(again.body))
+	}
+	if r := post(t, srv, "/events", "e", "x"); r.status != 201 || r.body != big {
+		t.Fatalf("a stream: %d, %d bytes", r.status, len(r.body))
+	}
+	if r := post(t, srv, "/events", "e", "x"); r.status != 409 || r.typ != httpidem.ProblemNotReplayable {
+		t.Fatalf("a stream's retry: %d %q; want 409 response-not-replayable", r.status, r.typ)
+	}
+	if up.count("k") != 1 || up.count("e") != 1 {
+		t.Fatalf("upstream ran %d and %d times, want once each", up.count("k"), up.count("e"))
+	}
+}
+
+// TestUpstreamStalledMidBodyIsUncertain: an upstream that sends its
+// headers and part of its body, then nothing, is given up after
+// upstream_timeout without a byte, as one that sends no headers is: the
+// outcome is unknown. (It held the key in progress for as long as the
+// upstream kept the connection open.)
+func TestUpstreamStalledMidBodyIsUncertain(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		w.Header().Set("Content-Length", "100")
+		w.WriteHeader(201)
+		io.WriteString(w, `{"id":`)
+		http.NewResponseController(w).Flush()
+		<-release
+	}}
+	srv := start(t, proxy.Config{UpstreamTimeout: 200 * time.Millisecond}, mustEngine(t, memstore.New()), up)
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", "k")
+		if resp, err := srv.Client().Do(req); err == nil {
+			io.Copy(io.Discard, resp.Body) // cut short: the proxy cannot finish it
+			resp.Body.Close()
+		}
+	}()
+	wait.Recv(t, first, 10*time.Second, "the first request to end once the upstream stalled")
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 409 || r.typ != httpidem.ProblemUncertain {
+		t.Fatalf("retry: %d %q, want 409 operation-uncertain", r.status, r.typ)
+	}
+	if up.count("k") != 1 {
+		t.Fatalf("upstream ran %d times, want once", up.count("k"))
+	}
+}
+
 func TestRoutesAndScopes(t *testing.T) {
 	defaults := proxy.DefaultConfig().Defaults
 	defaults.ScopeHeaders = []string{"X-Api-Key"}
