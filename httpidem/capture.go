@@ -62,6 +62,9 @@ type capture struct {
 	limit    int64
 	passing  bool // the response is going straight to the client
 	hijacked bool
+	// clientGone: a write of the response passed through to the client
+	// failed. The response (its status) was the outcome.
+	clientGone bool
 	// call, when set, gives the Idempotency-Expires of a response passed
 	// through: its record is made once the handler is done.
 	call *call
@@ -109,7 +112,9 @@ func (c *capture) Write(p []byte) (int, error) {
 		c.passThrough()
 	}
 	if c.passing {
-		return c.w.Write(p)
+		n, err := c.w.Write(p)
+		c.clientGone = c.clientGone || err != nil
+		return n, err
 	}
 	return c.body.Write(p)
 }
@@ -180,7 +185,9 @@ func (c *capture) passThrough() {
 		}
 	}
 	c.w.WriteHeader(c.status)
-	c.w.Write(c.body.Bytes())
+	if _, err := c.w.Write(c.body.Bytes()); err != nil {
+		c.clientGone = true
+	}
 	c.body = bytes.Buffer{}
 }
 

@@ -555,12 +555,59 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	c.call = state
 	settle := detached
 
+	// keep settles the record by what the handler did and answered, and
+	// returns the engine's Idempotency-Expires stamp for a kept response.
+	keep := func(lease idem.Lease) (expires string) {
+		status := c.status
+		if status == 0 {
+			status = http.StatusOK
+		}
+		var err error
+		switch verdict := state.verdict.Load(); {
+		case state.settled.Load():
+			// The handler settled the record in its own transaction (Finish).
+		case verdict == verdictUnknown:
+			err = eng.MarkUnknown(settle, lease)
+		case releases(verdict, status):
+			err = eng.Release(settle, lease)
+		default:
+			resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}
+			if c.omitted() {
+				resp.BodyOmitted = true
+			} else {
+				resp.Body = c.body.Bytes()
+			}
+			if err = eng.Complete(settle, lease, resp); err == nil && !c.omitted() {
+				expires = resp.Header.Get(HeaderExpires)
+			}
+		}
+		if err != nil {
+			// The engine retries a write whose answer was lost and keeps the
+			// outcome in its journal while the store is away, so this is a
+			// newer owner's outcome standing (the lease was lost) or a journal
+			// that could not write. The work happened; the client gets its
+			// outcome all the same, without a promise to replay it. A retry
+			// finds the record in progress, unknown, or settled by the newer
+			// owner: never run blindly.
+			log().Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
+		}
+		return expires
+	}
+
 	panicked := true
 	defer func() {
 		if !panicked {
 			return
 		}
 		lease := stop()
+		if c.passing && c.clientGone {
+			// The handler gave up because the client went away while its
+			// response went out (as httputil.ReverseProxy does): what it
+			// answered, whose status was sent, is the outcome.
+			log().Info("idempotency: the client went away during the response; its outcome is kept", "status", c.status)
+			keep(lease)
+			return
+		}
 		var err error
 		if m.cfg.TakeoverSafe {
 			err = eng.Release(settle, lease)
@@ -571,42 +618,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}()
 	next.ServeHTTP(c, r.WithContext(ctx))
 	panicked = false
-	lease = stop()
-
-	status := c.status
-	if status == 0 {
-		status = http.StatusOK
-	}
-	var err error
-	var expires string // the engine's stamp, for the client's first answer
-	switch verdict := state.verdict.Load(); {
-	case state.settled.Load():
-		// The handler settled the record in its own transaction (Finish).
-	case verdict == verdictUnknown:
-		err = eng.MarkUnknown(settle, lease)
-	case releases(verdict, status):
-		err = eng.Release(settle, lease)
-	default:
-		resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}
-		if c.omitted() {
-			resp.BodyOmitted = true
-		} else {
-			resp.Body = c.body.Bytes()
-		}
-		if err = eng.Complete(settle, lease, resp); err == nil && !c.omitted() {
-			expires = resp.Header.Get(HeaderExpires)
-		}
-	}
-	if err != nil {
-		// The engine retries a write whose answer was lost and keeps the
-		// outcome in its journal while the store is away, so this is a
-		// newer owner's outcome standing (the lease was lost) or a journal
-		// that could not write. The work happened; the client gets its
-		// outcome all the same, without a promise to replay it. A retry
-		// finds the record in progress, unknown, or settled by the newer
-		// owner: never run blindly.
-		log().Error("idempotency: outcome not stored", "status", status, "err", err, "lease_lost", errors.Is(err, idem.ErrLeaseLost))
-	}
+	expires := keep(stop())
 	c.deliver(expires)
 }
 

@@ -311,6 +311,57 @@ func TestUpstreamStalledMidBodyIsUncertain(t *testing.T) {
 	}
 }
 
+// TestClientGoneMidResponseKeepsTheOutcome: a client that goes away while
+// a response too large to keep is passed through to it leaves the outcome
+// known: the upstream answered 201, which is stored (without its body), so
+// the retry is told so (409 response-not-replayable, original status 201).
+// (The aborted copy was taken for a failure of the upstream, and the record
+// was left UNKNOWN: 409 operation-uncertain, for an operator to settle.)
+func TestClientGoneMidResponseKeepsTheOutcome(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	stop := make(chan struct{})
+	defer close(stop)
+	chunk := []byte(strings.Repeat("x", 64<<10))
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		w.WriteHeader(201)
+		for range 1024 { // 64 MiB at most: the proxy stops reading long before
+			if _, err := w.Write(chunk); err != nil {
+				return
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}}
+	srv := start(t, proxy.Config{Defaults: proxy.Route{Config: httpidem.Config{MaxResponseBody: 1024}}}, eng, up)
+	req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader("x"))
+	req.Header.Set("Idempotency-Key", "k")
+	client := &http.Client{Transport: &http.Transport{}}
+	resp, err := client.Do(req)
+	if err != nil || resp.StatusCode != 201 {
+		t.Fatalf("first: %v, %v", resp, err)
+	}
+	io.ReadFull(resp.Body, make([]byte, 4096))
+	resp.Body.Close() // gone, mid-response
+	client.CloseIdleConnections()
+	wait.Until(t, 10*time.Second, "the record to be settled", func() bool {
+		rec, err := eng.Get(context.Background(), "", "k")
+		return err == nil && rec.State != idem.StateInProgress
+	})
+	if rec, _ := eng.Get(context.Background(), "", "k"); rec.State != idem.StateCompleted || rec.Response == nil ||
+		!rec.Response.BodyOmitted || rec.Response.Status != 201 {
+		t.Fatalf("record after the client went away: %v %+v; want completed, 201, body not kept", rec.State, rec.Response)
+	}
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 409 || r.typ != httpidem.ProblemNotReplayable {
+		t.Fatalf("retry: %d %q, want 409 response-not-replayable", r.status, r.typ)
+	}
+	if up.count("k") != 1 {
+		t.Fatalf("upstream ran %d times, want once", up.count("k"))
+	}
+}
+
 func TestRoutesAndScopes(t *testing.T) {
 	defaults := proxy.DefaultConfig().Defaults
 	defaults.ScopeHeaders = []string{"X-Api-Key"}
