@@ -230,7 +230,10 @@ func inProgress(resp *http.Response) bool {
 // backoff is the wait before the next attempt: full jitter under a capped
 // exponential, or the server's Retry-After when longer.
 func (t *Transport) backoff(attempt int, resp *http.Response) time.Duration {
-	ceiling := min(t.cfg.MaxDelay, t.cfg.BaseDelay<<min(attempt-1, 30))
+	ceiling := t.cfg.MaxDelay
+	if shift := min(max(attempt-1, 0), 62); t.cfg.BaseDelay <= ceiling>>shift { // BaseDelay·2^shift ≤ MaxDelay, without overflow
+		ceiling = t.cfg.BaseDelay << shift
+	}
 	wait := time.Duration(mrand.Int64N(int64(ceiling) + 1))
 	if resp != nil {
 		if ra := retryAfter(resp.Header.Get("Retry-After")); ra > wait {

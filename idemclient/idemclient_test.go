@@ -200,6 +200,18 @@ func TestLimits(t *testing.T) {
 		t.Fatalf("a Retry-After past MaxElapsed: %v %v after %v; want the 429 at once", resp, err, time.Since(start))
 	}
 
+	// Many attempts with a long base delay: the exponential stays capped
+	// (BaseDelay·2ⁿ overflowed, and the backoff panicked at attempt 31).
+	ts3 := always(503, "")
+	defer ts3.Close()
+	resp, err = client(idemclient.Config{BaseDelay: 10 * time.Second, MaxDelay: time.Millisecond, MaxAttempts: 40, MaxElapsed: time.Minute}).Post(ts3.URL, "", nil)
+	if err != nil || resp.StatusCode != 503 {
+		t.Fatal(resp, err)
+	}
+	if b, _ := io.ReadAll(resp.Body); string(b) != "attempt 40" {
+		t.Fatalf("after 40 attempts: %q; want the 40th answer", b)
+	}
+
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	ts2 := always(503, "5")
