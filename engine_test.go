@@ -102,11 +102,11 @@ func (s *signalStore) failRenewals(err error) {
 	s.mu.Unlock()
 }
 
-func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, idem.Lease, *storetest.Clock) {
+// started returns an engine made of cfg, and the outcome of a first Begin
+// of key k, which runs it.
+func started(t *testing.T, cfg idem.Config) (*idem.Engine, idem.Outcome) {
 	t.Helper()
-	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
-	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
-	e, err := idem.New(idem.Config{Store: s, Lease: lease, Clock: clock})
+	e, err := idem.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,6 +114,14 @@ func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, i
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatal(out.Decision, err)
 	}
+	return e, out
+}
+
+func holdSetup(t *testing.T, lease time.Duration) (*idem.Engine, *signalStore, idem.Lease, *storetest.Clock) {
+	t.Helper()
+	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	e, out := started(t, idem.Config{Store: s, Lease: lease, Clock: clock})
 	return e, s, out.Lease, clock
 }
 
@@ -217,14 +225,7 @@ func (s *slowFailingStore) Renew(ctx context.Context, p store.RenewParams) error
 func TestHoldEndsWhenTheLeaseRunsOut(t *testing.T) {
 	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
 	s := &slowFailingStore{Store: memstore.New(), clock: clock, took: 45 * time.Millisecond}
-	e, err := idem.New(idem.Config{Store: s, Lease: 300 * time.Millisecond, Clock: clock})
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatal(out.Decision, err)
-	}
+	e, out := started(t, idem.Config{Store: s, Lease: 300 * time.Millisecond, Clock: clock})
 	held, stop := e.Hold(ctx, out.Lease)
 	defer stop()
 	tick(t, clock, 1, 100*time.Millisecond) // tries at 100 ms, fails at 145
@@ -254,14 +255,7 @@ func (hangingStore) Renew(ctx context.Context, _ store.RenewParams) error {
 // (a store that does not answer, with a store timeout longer than the
 // lease) is cut at the lease's end, and the work with it.
 func TestHoldEndsWhileARenewalHangs(t *testing.T) {
-	e, err := idem.New(idem.Config{Store: hangingStore{memstore.New()}, Lease: 300 * time.Millisecond, StoreTimeout: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatal(out.Decision, err)
-	}
+	e, out := started(t, idem.Config{Store: hangingStore{memstore.New()}, Lease: 300 * time.Millisecond, StoreTimeout: time.Minute})
 	held, stop := e.Hold(ctx, out.Lease)
 	defer stop()
 	wait.Recv(t, held.Done(), 10*time.Second, "the held context to end when the lease ran out, not when the store timeout did")
@@ -280,14 +274,7 @@ func TestHoldOnTheSystemClock(t *testing.T) {
 	s := &signalStore{Store: memstore.New(), renewed: make(chan struct{}, 100)}
 	// Renewals every 300ms: a stall of the machine shorter than 600ms
 	// cannot let the lease run out between two of them.
-	e, err := idem.New(idem.Config{Store: s, Lease: 900 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatal(out.Decision, err)
-	}
+	e, out := started(t, idem.Config{Store: s, Lease: 900 * time.Millisecond})
 	held, stop := e.Hold(ctx, out.Lease)
 	for i := range 2 {
 		wait.Recv(t, s.renewed, 5*time.Second, fmt.Sprintf("renewal %d", i+1))

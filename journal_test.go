@@ -94,14 +94,7 @@ func (plainDeadlineStore) Finish(ctx context.Context, _ store.FinishParams) erro
 // with it: its outcome is not known. (A plain deadline error was taken as
 // the store's refusal, and the outcome was dropped.)
 func TestUnansweredWriteIsKept(t *testing.T) {
-	e, err := idem.New(idem.Config{Store: plainDeadlineStore{memstore.New()}, StoreTimeout: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatal(out.Decision, err)
-	}
+	e, out := started(t, idem.Config{Store: plainDeadlineStore{memstore.New()}, StoreTimeout: 100 * time.Millisecond})
 	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
 		t.Fatalf("Complete unanswered: %v, want it kept", err)
 	}
