@@ -282,18 +282,27 @@ var (
 	ErrLeaseRunning = errors.New("reconcile: the record's owner still holds its lease")
 )
 
+// Releasable reports whether an IN_PROGRESS record may be settled by hand
+// at now: its lease ended [DefaultGrace] ago or more. Within the grace its
+// owner, whose renewals may have failed while its work went on, may still
+// store the true outcome, as the reconciler's own passes allow for.
+func Releasable(rec idem.Record, now time.Time) bool {
+	return rec.State == idem.StateInProgress && !now.Before(rec.LeaseExpires.Add(DefaultGrace))
+}
+
 // Resolve settles one record by hand, as an operator who found out what
 // happened (idem keys resolve): res is what a resolver would have answered,
 // Completed with a response or Failed. It refuses a settled record
-// ([ErrSettled]) and, unless force, one whose owner's lease still runs
-// ([ErrLeaseRunning]), since the owner may yet store the true outcome.
-// [idem.ErrLeaseLost] means the record changed meanwhile (look again).
+// ([ErrSettled]) and, unless force, an IN_PROGRESS one that is not
+// [Releasable] ([ErrLeaseRunning]), since its owner may yet store the true
+// outcome. [idem.ErrLeaseLost] means the record changed meanwhile (look
+// again).
 func Resolve(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolution, force bool) error {
 	switch {
 	case rec.State.Terminal():
 		return fmt.Errorf("%w (%s)", ErrSettled, rec.State)
-	case rec.State == idem.StateInProgress && eng.Now().Before(rec.LeaseExpires) && !force:
-		return fmt.Errorf("%w until %s", ErrLeaseRunning, rec.LeaseExpires.UTC().Format(time.RFC3339))
+	case rec.State == idem.StateInProgress && !Releasable(rec, eng.Now()) && !force:
+		return fmt.Errorf("%w, or may store its outcome, until %s", ErrLeaseRunning, rec.LeaseExpires.Add(DefaultGrace).UTC().Format(time.RFC3339))
 	case res.Outcome != Completed && res.Outcome != Failed:
 		return fmt.Errorf("%w: reconcile: resolve a record as completed or failed", idem.ErrInvalid)
 	}

@@ -352,3 +352,31 @@ func TestOwnersGoFirstAfterAnOutage(t *testing.T) {
 }
 
 func w(eng *idem.Engine) *world { return &world{eng: eng} }
+
+// TestResolveLeavesTheOwnerItsGrace: an operator's Resolve of a record
+// whose lease has just ended is refused for the reconciler's grace, as the
+// reconciler's own pass would be: an owner whose renewals failed may still
+// be storing its outcome, and releasing its key would run the request
+// again. (It was allowed the moment the lease ended.)
+func TestResolveLeavesTheOwnerItsGrace(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "k", false)
+	w.clock.Advance(31 * time.Second) // the 30 s lease has ended
+	rec, err := w.eng.Get(ctx, "", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); !errors.Is(err, reconcile.ErrLeaseRunning) {
+		t.Fatalf("Resolve a second after the lease: %v, want ErrLeaseRunning", err)
+	}
+	if reconcile.Releasable(rec, w.eng.Now()) {
+		t.Fatal("Releasable a second after the lease, want not yet")
+	}
+	w.clock.Advance(reconcile.DefaultGrace)
+	if !reconcile.Releasable(rec, w.eng.Now()) {
+		t.Fatal("not Releasable past the grace")
+	}
+	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); err != nil {
+		t.Fatalf("Resolve past the grace: %v", err)
+	}
+}

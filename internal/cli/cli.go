@@ -133,7 +133,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	if err != nil {
 		return fail(stderr, "idem proxy: opening the store", err)
 	}
-	defer opened.Close()
+	defer func() { opened.Close() }() // the Close of when it returns: NewNotifier replaces it
 	tel, err := telemetry.New(ctx, env)
 	if err != nil {
 		return fail(stderr, "idem proxy: telemetry", err)

@@ -289,6 +289,22 @@ func storeFlag(fs *flag.FlagSet, env Env) *string {
 	return fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "the store, a `DSN`: "+storeKinds+" [$IDEM_STORE]")
 }
 
+// retentionFlag is the --retention flag of the commands that settle
+// records: how long an outcome they settle is replayed. It must be the
+// deployment's (its longest, when routes differ): a shorter one lets a
+// retry the deployment promises to answer run again.
+func retentionFlag(fs *flag.FlagSet, env Env) func() (time.Duration, error) {
+	v := fs.String("retention", cmp.Or(env("IDEM_RETENTION"), idem.DefaultRetention.String()),
+		"how long an outcome settled here is replayed: the deployment's `retention` (its longest) [$IDEM_RETENTION]")
+	return func() (time.Duration, error) {
+		d, err := time.ParseDuration(*v)
+		if err != nil || d <= 0 {
+			return 0, fmt.Errorf("--retention %q: want a positive duration, such as 72h", *v)
+		}
+		return d, nil
+	}
+}
+
 // logFlag is the --log-format flag of the commands that log; the logger is
 // made once the flags are parsed.
 func logFlag(fs *flag.FlagSet, env Env, stderr io.Writer) func() (*slog.Logger, error) {

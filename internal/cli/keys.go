@@ -50,12 +50,13 @@ func (h headerFlags) Set(v string) error {
 // keysCommand is one subcommand of idem keys: its own flags, how many
 // positional arguments (a key) it takes, and what it does with the engine.
 type keysCommand struct {
-	flags func(fs *flag.FlagSet) func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error
-	keys  int
+	flags   func(fs *flag.FlagSet) func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error
+	keys    int
+	settles bool // it settles records: it takes --retention
 }
 
 var keysCommands = map[string]keysCommand{"ls": {flags: keysLs}, "show": {flags: keysShow, keys: 1},
-	"resolve": {flags: keysResolve, keys: 1}, "purge": {flags: keysPurge}}
+	"resolve": {flags: keysResolve, keys: 1, settles: true}, "purge": {flags: keysPurge}}
 
 // errUsage: the command line is wrong; the usage is shown.
 var errUsage = errors.New("usage")
@@ -78,6 +79,10 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	fs := newFlags("keys " + sub)
 	store := storeFlag(fs, env)
+	retention := func() (time.Duration, error) { return idem.DefaultRetention, nil }
+	if cmd.settles {
+		retention = retentionFlag(fs, env)
+	}
 	run := cmd.flags(fs)
 	pos, err := parseFlags(fs, args[1:], stdout, stderr)
 	switch {
@@ -87,13 +92,18 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		usageError(stderr, fs.Name(), fmt.Sprintf("takes %d key, not %d", cmd.keys, len(pos)))
 		return 2
 	}
+	keep, err := retention()
+	if err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
+	}
 	storeopen.SetLogger(slog.New(slog.DiscardHandler)) // a failure ends the command with its error
 	opened, err := storeopen.Open(ctx, *store)
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}
 	defer opened.Close()
-	eng, err := idem.New(idem.Config{Store: opened.Store})
+	eng, err := idem.New(idem.Config{Store: opened.Store, Retention: keep})
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}
@@ -213,11 +223,15 @@ func keysLs(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, io.W
 }
 
 // findRecord returns the record of key under scope, which may be given by a
-// prefix, or left out when only one scope holds the key.
+// prefix (a scope named whole is that scope, though others begin with it),
+// or left out when only one scope holds the key: the empty scope, that of
+// requests without scope headers, is one of the scopes then, not a default.
 func findRecord(ctx context.Context, eng *idem.Engine, scope, key string) (idem.Record, error) {
-	r, err := eng.Get(ctx, scope, key)
-	if !errors.Is(err, idem.ErrNotFound) {
-		return r, err
+	if scope != "" {
+		r, err := eng.Get(ctx, scope, key)
+		if !errors.Is(err, idem.ErrNotFound) {
+			return r, err
+		}
 	}
 	var matches []idem.Record
 	p := idem.ListParams{ScopePrefix: scope, KeyPrefix: key, Limit: 1000}
@@ -394,6 +408,7 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 	newLog := logFlag(fs, env, stderr)
 	once := fs.Bool("once", false, "make one pass, print what it did, and exit")
 	grace := fs.Duration("grace", reconcile.DefaultGrace, "how long past its lease a record is left to its owner; 0s for none")
+	retention := retentionFlag(fs, env)
 	every := fs.Duration("interval", reconcile.DefaultInterval, "time between passes")
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return exitStatus(err)
@@ -411,12 +426,17 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 	if *once {
 		open = storeopen.Open
 	}
+	keep, err := retention()
+	if err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
+	}
 	opened, err := open(ctx, *store)
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}
 	defer opened.Close()
-	eng, err := idem.New(idem.Config{Store: opened.Store})
+	eng, err := idem.New(idem.Config{Store: opened.Store, Retention: keep})
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}

@@ -233,3 +233,50 @@ func TestReconcileCommand(t *testing.T) {
 		t.Fatalf("reconcile --once --grace 0s: %d %q; want the record settled at once", code, out)
 	}
 }
+
+// TestKeysResolveNamesItsRecordAndKeepsItsOutcome: a key held in the
+// empty scope (requests without scope headers) and in another is
+// ambiguous without --scope, as any key two scopes hold is (the empty
+// scope's record was taken at once, without a word); and an outcome
+// resolved by hand is replayed for the deployment's retention, --retention
+// (it was kept 24 h whatever the deployment promised, so a retry within
+// the promise ran again).
+func TestKeysResolveNamesItsRecordAndKeepsItsOutcome(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	eng, _ := idem.New(idem.Config{Store: s})
+	for _, scope := range []string{"", "tenant"} {
+		out, err := eng.Begin(context.Background(), idem.BeginParams{Scope: scope, Key: "order-1", Fingerprint: fp})
+		if err != nil || out.Decision != idem.Execute {
+			t.Fatal(out.Decision, err)
+		}
+		if err := eng.MarkUnknown(context.Background(), out.Lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dsn := "sqlite:" + path
+	if code, _, errOut := run(t, "keys", "show", "order-1", "--store", dsn); code != 2 || !strings.Contains(errOut, "in 2 scopes") {
+		t.Fatalf("keys show of a key the empty scope and another hold: %d %s; want it ambiguous", code, errOut)
+	}
+	if code, _, errOut := run(t, "keys", "resolve", "order-1", "--failed", "--store", dsn); code != 2 || !strings.Contains(errOut, "in 2 scopes") {
+		t.Fatalf("keys resolve of that key: %d %s; want it ambiguous", code, errOut)
+	}
+	code, _, errOut := run(t, "keys", "resolve", "order-1", "--scope", "tenant", "--completed", "--status", "201", "--retention", "72h", "--store", dsn)
+	if code != 0 {
+		t.Fatalf("keys resolve --retention 72h: %d %s", code, errOut)
+	}
+	rec, err := eng.Get(context.Background(), "tenant", "order-1")
+	if err != nil || rec.State != idem.StateCompleted || rec.Expires.Before(time.Now().Add(71*time.Hour)) {
+		t.Fatalf("the resolved record: %v expiring %v, %v; want completed, replayed for 72 h", rec.State, rec.Expires, err)
+	}
+	if rec, err := eng.Get(context.Background(), "", "order-1"); err != nil || rec.State != idem.StateUnknown {
+		t.Fatalf("the empty scope's record: %v, %v; want it left unknown", rec.State, err)
+	}
+	if code, _, errOut := run(t, "keys", "resolve", "order-1", "--scope", "tenant", "--failed", "--retention", "forever", "--store", dsn); code != 2 || !strings.Contains(errOut, "--retention") {
+		t.Fatalf("keys resolve --retention forever: %d %s; want a usage error", code, errOut)
+	}
+}

@@ -532,7 +532,7 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	d.Resolvable = rec.State == idem.StateUnknown
-	d.Releasable = rec.State == idem.StateInProgress && !now.Before(rec.LeaseExpires)
+	d.Releasable = reconcile.Releasable(rec, now)
 	c.render(w, http.StatusOK, "record", d)
 }
 

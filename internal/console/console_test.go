@@ -20,6 +20,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/telemetry"
+	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -315,7 +316,14 @@ func TestReleaseStaleLease(t *testing.T) {
 	if _, body := w.page(t, "/console/record?key=run"); strings.Contains(body, "Release…") {
 		t.Errorf("a running lease is offered for release:\n%s", body)
 	}
-	w.clock.Advance(time.Minute)
+	w.clock.Advance(time.Minute) // the lease has ended, not the owner's grace
+	if _, body := w.page(t, "/console/record?key=run"); strings.Contains(body, "Release…") {
+		t.Errorf("a lease just ended is offered for release, within its owner's grace:\n%s", body)
+	}
+	if code, _ := w.post(t, "/console/act", resolveForm(rec, "release"), nil); code != http.StatusConflict {
+		t.Errorf("release within the owner's grace = %d, want 409", code)
+	}
+	w.clock.Advance(reconcile.DefaultGrace)
 	if _, body := w.page(t, "/console/record?key=run"); !strings.Contains(body, "Release…") {
 		t.Errorf("a stale lease is not offered for release:\n%s", body)
 	}
