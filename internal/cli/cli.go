@@ -145,6 +145,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 			return fail(stderr, "idem proxy: starting cross-instance wake-ups", err)
 		}
 	}
+	cfg = cfg.PinRetentions()
 	engCfg := cfg.Engine
 	engCfg.Store, engCfg.Notifier, engCfg.JournalDir, engCfg.Logger = tel.Store(opened.Kind, opened.Store), notifier, cfg.JournalDir(), log
 	eng, err := idem.New(engCfg)

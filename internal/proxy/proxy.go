@@ -35,6 +35,7 @@ import (
 	"net/http/httptrace"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -231,7 +232,30 @@ func bypassed(up http.Handler) http.Handler {
 	})
 }
 
-// Waits reports whether any route lets duplicates wait for the first
+// PinRetentions returns cfg with each route's retention written out (the
+// engine's, where the route names none) and the engine's retention raised
+// to the longest of them. The engine's retention is what an outcome settled
+// without a route is kept for (by the console, a reconciler in the
+// process): below a route's, such an outcome of that route would be
+// replayed for less than the route promises, and a retry within its
+// promise would run again.
+func (cfg Config) PinRetentions() Config {
+	keep := cmp.Or(cfg.Engine.Retention, idem.DefaultRetention)
+	longest := keep
+	pin := func(r *Route) {
+		r.Retention = cmp.Or(r.Retention, keep)
+		longest = max(longest, r.Retention)
+	}
+	pin(&cfg.Defaults)
+	cfg.Routes = slices.Clone(cfg.Routes)
+	for i := range cfg.Routes {
+		pin(&cfg.Routes[i])
+	}
+	cfg.Engine.Retention = longest
+	return cfg
+}
+
+// Waits reports whether any route lets duplicates wait for the first// Waits reports whether any route lets duplicates wait for the first
 // request, which is when cross-instance wake-ups are worth their cost.
 func (cfg Config) Waits() bool {
 	if cfg.Defaults.Wait >= 0 {

@@ -591,3 +591,25 @@ func TestLoopbackByDefault(t *testing.T) {
 		}
 	}
 }
+
+// TestPinRetentions: what the console settles (with the engine's
+// retention, knowing no route) is kept as long as the longest route keeps
+// its outcomes; each route keeps its own. (The console kept an outcome of a
+// route with a 72 h retention for the engine's 24 h.)
+func TestPinRetentions(t *testing.T) {
+	cfg := proxy.DefaultConfig()
+	cfg.Routes = []proxy.Route{
+		{Match: "POST /v1/charges", Config: httpidem.Config{Retention: 72 * time.Hour}},
+		{Match: "POST /v1/refunds"},
+	}
+	pinned := cfg.PinRetentions()
+	if pinned.Engine.Retention != 72*time.Hour {
+		t.Errorf("engine retention %v, want the longest route's, 72h", pinned.Engine.Retention)
+	}
+	if pinned.Defaults.Retention != idem.DefaultRetention || pinned.Routes[0].Retention != 72*time.Hour || pinned.Routes[1].Retention != idem.DefaultRetention {
+		t.Errorf("route retentions %v, %v, %v; want each its own (24h, 72h, 24h)", pinned.Defaults.Retention, pinned.Routes[0].Retention, pinned.Routes[1].Retention)
+	}
+	if cfg.Routes[1].Retention != 0 {
+		t.Error("PinRetentions changed the config it was called on")
+	}
+}
