@@ -185,6 +185,11 @@ func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
 	}
 	wait.Recv(t, g.entered, 10*time.Second, "the first acquire")
 	wait.Done(t, 10*time.Second, "every request to start", started.Wait)
+	// Every other request waits for the first one's acquire (a request that
+	// has started need not have got that far yet on a loaded machine).
+	wait.Until(t, 10*time.Second, "the other requests to share the first acquire", func() bool {
+		return blockedIn("idem.(*Engine).Begin", "coalesce_test.go") == n-1
+	})
 	close(g.release)
 	wait.Done(t, 10*time.Second, "every request's answer", done.Wait)
 	decisions := map[idem.Decision]int{}
@@ -214,9 +219,9 @@ func (g *payloadGate) Acquire(ctx context.Context, p store.AcquireParams) (idem.
 	return g.Counted.Acquire(ctx, p)
 }
 
-// blockedIn reports whether a goroutine is blocked in a select with every
-// one of frames on its stack.
-func blockedIn(frames ...string) bool {
+// blockedIn counts the goroutines blocked in a select with every one of
+// frames on their stacks.
+func blockedIn(frames ...string) int {
 	buf := make([]byte, 1<<16)
 	for {
 		n := runtime.Stack(buf, true)
@@ -226,6 +231,7 @@ func blockedIn(frames ...string) bool {
 		}
 		buf = make([]byte, 2*len(buf))
 	}
+	n := 0
 	for _, g := range strings.Split(string(buf), "\n\n") {
 		header, _, _ := strings.Cut(g, "\n")
 		if !strings.Contains(header, "[select") {
@@ -236,10 +242,10 @@ func blockedIn(frames ...string) bool {
 			all = all && strings.Contains(g, f)
 		}
 		if all {
-			return true
+			n++
 		}
 	}
-	return false
+	return n
 }
 
 // TestAWaiterGivingUpLeavesTheOthersWaiting: when the duplicate that polls
@@ -284,7 +290,7 @@ func TestAWaiterGivingUpLeavesTheOthersWaiting(t *testing.T) {
 	go func() { defer close(reusedDone); eng.Begin(ctx, reused) }()
 	wait.Recv(t, g.entered, 10*time.Second, "the other payload's acquire")
 	wait.Until(t, 10*time.Second, "the poller to share that acquire", func() bool {
-		return blockedIn("idem.(*Engine).Begin", "idem.(*Engine).awaitStep")
+		return blockedIn("idem.(*Engine).Begin", "idem.(*Engine).awaitStep") == 1
 	})
 	leave()
 	if err := wait.Recv(t, pollerDone, 10*time.Second, "the poller to give up"); !errors.Is(err, context.Canceled) {

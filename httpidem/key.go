@@ -3,6 +3,7 @@ package httpidem
 import (
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 
 	"github.com/idemhq/idem"
@@ -10,6 +11,10 @@ import (
 
 // HeaderKey is the request header that carries the idempotency key.
 const HeaderKey = "Idempotency-Key"
+
+// HeaderXKey is the name some clients still give the key's header. The
+// middleware honours it as HeaderKey, and both when they name one key.
+const HeaderXKey = "X-Idempotency-Key"
 
 // HeaderReplayed marks a replayed response: "Idempotent-Replayed: true".
 const HeaderReplayed = "Idempotent-Replayed"
@@ -145,3 +150,29 @@ func isUUID(s string) bool {
 	}
 	return true
 }
+
+// keyOf reads the key of a request's headers: Idempotency-Key, or
+// X-Idempotency-Key, or both when they name the same key.
+func keyOf(h http.Header, format KeyFormat) (string, error) {
+	key, err := ParseKey(h.Values(HeaderKey), format)
+	x := h.Values(HeaderXKey)
+	if len(x) == 0 {
+		return key, err
+	}
+	xkey, xerr := ParseKey(x, format)
+	switch {
+	case errors.Is(err, errKeyMissing):
+		return xkey, xerr
+	case err != nil:
+		return "", err
+	case xerr != nil:
+		return "", fmt.Errorf("%s: %w", HeaderXKey, xerr)
+	case xkey != key:
+		return "", fmt.Errorf("%s and %s name two different keys", HeaderKey, HeaderXKey)
+	}
+	return key, nil
+}
+
+// HasKey reports whether a request's headers carry a key (HeaderKey or
+// HeaderXKey), well formed or not.
+func HasKey(h http.Header) bool { return len(h.Values(HeaderKey)) > 0 || len(h.Values(HeaderXKey)) > 0 }

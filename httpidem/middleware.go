@@ -404,13 +404,13 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	if !m.methods[r.Method] {
-		if len(r.Header.Values(HeaderKey)) > 0 {
+		if HasKey(r.Header) {
 			w.Header().Set(HeaderIgnored, r.Method+" is not covered here: the request ran without idempotency")
 		}
 		next.ServeHTTP(w, r)
 		return
 	}
-	key, err := ParseKey(r.Header.Values(HeaderKey), m.cfg.KeyFormat)
+	key, err := keyOf(r.Header, m.cfg.KeyFormat)
 	switch {
 	case errors.Is(err, errKeyMissing) && !m.cfg.RequireKey:
 		m.observe(r, ObservedNoKey)

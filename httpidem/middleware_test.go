@@ -457,6 +457,32 @@ func TestStreamedReleaseMakesNoPromise(t *testing.T) {
 	})
 }
 
+// TestXIdempotencyKey: a key sent as X-Idempotency-Key, the name some
+// clients still use, is honoured as Idempotency-Key; both headers naming
+// two keys is a malformed request; on a method that is not covered it is
+// answered Idempotent-Ignored like the other. (It was ignored without a
+// word: the request ran twice.)
+func TestXIdempotencyKey(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	first := send(t, srv, "POST", "/pay", "", "x", httpidem.HeaderXKey, "order-1")
+	again := send(t, srv, "POST", "/pay", "", "x", httpidem.HeaderXKey, "order-1")
+	if first.status != 201 || again.body != first.body || again.header.Get(httpidem.HeaderReplayed) != "true" || a.runs.Load() != 1 {
+		t.Fatalf("X-Idempotency-Key twice: %d, %d replayed %q, ran %d times; want one run and its replay",
+			first.status, again.status, again.header.Get(httpidem.HeaderReplayed), a.runs.Load())
+	}
+	if r := send(t, srv, "POST", "/pay", "order-1", "x", httpidem.HeaderXKey, "order-1"); r.header.Get(httpidem.HeaderReplayed) != "true" {
+		t.Fatalf("both headers, one key: %d, want the replay", r.status)
+	}
+	wantProblem(t, send(t, srv, "POST", "/pay", "order-1", "x", httpidem.HeaderXKey, "order-2"), 400, httpidem.ProblemKeyInvalid)
+	if r := send(t, srv, "GET", "/pay", "", "", httpidem.HeaderXKey, "order-3"); r.header.Get(httpidem.HeaderIgnored) == "" {
+		t.Fatalf("GET with X-Idempotency-Key: no %s header", httpidem.HeaderIgnored)
+	}
+	if a.runs.Load() != 2 {
+		t.Fatalf("ran %d times, want the POST once and the GET", a.runs.Load())
+	}
+}
+
 func TestNothingHappenedReleasesKey(t *testing.T) {
 	forEachStore(t, func(t *testing.T, store idem.Store) {
 		for _, c := range []struct {

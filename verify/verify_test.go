@@ -90,6 +90,10 @@ type keyed struct {
 	mu            sync.Mutex
 	done          map[string][2]string // key → body, answer
 	next          http.Handler
+	// Without the lock, a run waits (up to a second) for the next lookup
+	// of its key, so that duplicates sent at once overlap however the
+	// machine schedules them: the race is there to be found.
+	looked map[string]chan struct{}
 }
 
 func (k *keyed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -101,6 +105,14 @@ func (k *keyed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
 	key = r.Header.Get("Authorization") + "\x00" + key
 	k.mu.Lock()
+	if k.looked == nil {
+		k.looked = map[string]chan struct{}{}
+	}
+	if earlier, ok := k.looked[key]; ok {
+		close(earlier) // a run may wait for this lookup
+	}
+	k.looked[key] = make(chan struct{})
+	lookup := k.looked[key]
 	prior, ok := k.done[key]
 	if ok {
 		k.mu.Unlock()
@@ -116,6 +128,10 @@ func (k *keyed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if k.noLock {
 		k.mu.Unlock()
+		select {
+		case <-lookup: // a duplicate looked, and found nothing either
+		case <-time.After(time.Second):
+		}
 	}
 	rec := httptest.NewRecorder()
 	r.Body = io.NopCloser(strings.NewReader(string(body)))

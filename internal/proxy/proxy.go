@@ -225,7 +225,7 @@ func (r Route) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http
 // was not honoured (see httpidem.HeaderIgnored).
 func bypassed(up http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if len(r.Header.Values(httpidem.HeaderKey)) > 0 {
+		if httpidem.HasKey(r.Header) {
 			w.Header().Set(httpidem.HeaderIgnored, "this route bypasses idempotency: the request ran without it")
 		}
 		up.ServeHTTP(w, r)
@@ -551,7 +551,7 @@ func (b *bufferPool) Put(x []byte) { b.p.Put((*[32 << 10]byte)(x[:32<<10])) }
 // request gets an empty body that is not http.NoBody (the transport probes
 // it for GET, HEAD, DELETE and OPTIONS and sends no body at all).
 func neverResent(out *http.Request) {
-	for _, name := range []string{"Idempotency-Key", "X-Idempotency-Key"} {
+	for _, name := range []string{httpidem.HeaderKey, httpidem.HeaderXKey} {
 		if v, ok := out.Header[name]; ok {
 			delete(out.Header, name)
 			out.Header[strings.ToLower(name)] = v
