@@ -31,6 +31,11 @@ func CanonicalJSON(data []byte) ([]byte, error) {
 }
 
 func decodeJSON(data []byte) (any, error) {
+	// Text that is not UTF-8 is not JSON: a decoder would turn every bad
+	// byte into U+FFFD, and two payloads a handler reads apart into one.
+	if !utf8.Valid(data) {
+		return nil, errors.New("json: not UTF-8")
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var v any
@@ -40,7 +45,46 @@ func decodeJSON(data []byte) (any, error) {
 	if _, err := dec.Token(); err != io.EOF { // a stray '}' or ']' too, which More misses
 		return nil, errors.New("json: trailing data after the value")
 	}
+	// So would a lone surrogate escape ("\ud800"): a U+FFFD the text did
+	// not hold is one.
+	if replaced(v) && !bytes.ContainsRune(data, utf8.RuneError) && !bytes.Contains(bytes.ToLower(data), []byte(`\ufffd`)) {
+		return nil, errors.New("json: a lone surrogate escape")
+	}
 	return v, nil
+}
+
+// replaced reports whether a decoded value holds U+FFFD in a string or a
+// member's name.
+func replaced(v any) bool {
+	switch v := v.(type) {
+	case string:
+		return strings.ContainsRune(v, utf8.RuneError)
+	case []any:
+		return slices.ContainsFunc(v, replaced)
+	case map[string]any:
+		for k, e := range v {
+			if strings.ContainsRune(k, utf8.RuneError) || replaced(e) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// exactInteger returns an integer literal too large for a float to hold
+// exactly (past 2^53), as written: two of them that a float would round
+// together are two payloads. JSON's grammar makes the literal canonical
+// already (no leading zeros, no plus sign). Other numbers are for the
+// float form, as RFC 8785 has them.
+func exactInteger(n string) (string, bool) {
+	digits := strings.TrimPrefix(n, "-")
+	if digits == "" || strings.Trim(digits, "0123456789") != "" {
+		return "", false
+	}
+	if i, err := strconv.ParseInt(n, 10, 64); err == nil && i >= -1<<53 && i <= 1<<53 {
+		return "", false
+	}
+	return n, true
 }
 
 func writeCanonical(b *bytes.Buffer, v any) error {
@@ -50,6 +94,10 @@ func writeCanonical(b *bytes.Buffer, v any) error {
 	case bool:
 		b.WriteString(strconv.FormatBool(v))
 	case json.Number:
+		if exact, ok := exactInteger(string(v)); ok {
+			b.WriteString(exact)
+			break
+		}
 		f, err := strconv.ParseFloat(string(v), 64)
 		if err != nil || math.IsInf(f, 0) {
 			return errors.New("json: number out of range for canonical form")

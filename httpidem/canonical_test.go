@@ -27,6 +27,28 @@ func TestCanonicalJSON(t *testing.T) {
 	}
 }
 
+// TestCanonicalJSONKeepsDistinctPayloadsApart: payloads that a handler
+// reads differently never share a canonical form (a replay where a 422 was
+// due): integers past 2^53, which a float would round together, are kept
+// exact, and text that is not UTF-8 (which a decoder would turn into U+FFFD)
+// is not JSON to canonicalize.
+func TestCanonicalJSONKeepsDistinctPayloadsApart(t *testing.T) {
+	a, err := httpidem.CanonicalJSON([]byte(`{"customer":1234567890123456789}`))
+	b, err2 := httpidem.CanonicalJSON([]byte(`{"customer":1234567890123456800}`))
+	if err != nil || err2 != nil || string(a) == string(b) {
+		t.Errorf("two integers past 2^53: %s, %s (%v, %v); want them apart", a, b, err, err2)
+	}
+	if got, err := httpidem.CanonicalJSON([]byte(`[-12, 9007199254740993, -99999999999999999999999, 1.5e3, 100]`)); err != nil ||
+		string(got) != `[-12,9007199254740993,-99999999999999999999999,1500,100]` {
+		t.Errorf("integers: %s, %v; want those past 2^53 exact, the others as before", got, err)
+	}
+	for _, bad := range []string{"{\"name\":\"caf\xe9\"}", `{"name":"\ud800"}`} {
+		if got, err := httpidem.CanonicalJSON([]byte(bad)); err == nil {
+			t.Errorf("CanonicalJSON(%q) = %s; want it refused (not UTF-8)", bad, got)
+		}
+	}
+}
+
 func TestCanonicalJSONSortsByUTF16(t *testing.T) {
 	// U+FF61 (one UTF-16 unit, 0xFF61) against U+1F600 (surrogates 0xD83D...):
 	// by code point U+FF61 comes first, by UTF-16 units it comes last.
