@@ -69,6 +69,26 @@ func TestPassesAgainstTheMiddleware(t *testing.T) {
 	}
 }
 
+// TestPassesBehindAProxyThatStampsEveryResponse: the middleware behind a
+// layer that adds a header of its own to every response (a request id, as
+// a load balancer or a CDN does) passes: the replay is the same answer,
+// and a header that differs per response is named, not failed. (It was
+// failed: "the replay changed headers: X-Request-Id".)
+func TestPassesBehindAProxyThatStampsEveryResponse(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true, Scope: httpidem.HashScope("Authorization")})
+	var n, ids atomic.Int64
+	inner := mw.Wrap(charge(&n))
+	stamped := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Request-Id", fmt.Sprint(ids.Add(1)))
+		inner.ServeHTTP(w, r)
+	})
+	got := results(run(t, stamped))
+	if c := got["replay"]; c.Result != verify.Pass || !strings.Contains(c.Detail, "X-Request-Id") {
+		t.Fatalf("replay: %+v; want a pass that names the header that differs", c)
+	}
+}
+
 // noIdempotency runs every request.
 func TestCatchesNoIdempotency(t *testing.T) {
 	var n atomic.Int64
