@@ -255,7 +255,7 @@ func (cfg Config) PinRetentions() Config {
 	return cfg
 }
 
-// Waits reports whether any route lets duplicates wait for the first// Waits reports whether any route lets duplicates wait for the first
+// Waits reports whether any route lets duplicates wait for the first
 // request, which is when cross-instance wake-ups are worth their cost.
 func (cfg Config) Waits() bool {
 	if cfg.Defaults.Wait >= 0 {
