@@ -215,11 +215,14 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 // not answer in time, whatever error it gave (a store may return the
 // context's own error, or one of its own caused by it), so the call's
 // outcome is not known, and it is retried or kept, never taken as refused.
+// An answer the store did give (the lease lost, no record, invalid
+// params) stays what it is.
 func unanswered(ctx context.Context, err error) error {
-	if err != nil && ctx.Err() != nil && !errors.Is(err, ErrUnavailable) {
-		return fmt.Errorf("%w: %w", ErrUnavailable, err)
+	if err == nil || ctx.Err() == nil || errors.Is(err, ErrUnavailable) ||
+		errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrNotFound) || errors.Is(err, ErrInvalid) {
+		return err
 	}
-	return err
+	return fmt.Errorf("%w: %w", ErrUnavailable, err)
 }
 
 // Now returns the engine's clock reading, for what acts in the engine's
