@@ -32,6 +32,7 @@ package httpidem
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -528,8 +529,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 }
 
 // fingerprint hashes the request: method, path, canonical query and the body
-// (canonical JSON, with fields selected, when configured).
+// (decoded when gzip-encoded; canonical JSON, with fields selected, when
+// configured).
 func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint {
+	body = decoded(r.Header, body, m.cfg.MaxRequestBody)
 	if m.cfg.CanonicalJSON || len(m.cfg.IncludeFields) > 0 || len(m.cfg.ExcludeFields) > 0 {
 		if v, err := decodeJSON(body); err == nil {
 			var b bytes.Buffer
@@ -539,6 +542,26 @@ func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint 
 		}
 	}
 	return idem.NewFingerprint(idem.Payload{Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Body: body})
+}
+
+// decoded returns a gzip-encoded body decoded: what it carries is the
+// payload, and the same payload compressed again (another timestamp in the
+// gzip header, another level) is the same request. A body that does not
+// decode, or would decode to more than limit, is taken as sent. The handler
+// gets the body as sent.
+func decoded(h http.Header, body []byte, limit int64) []byte {
+	if ce := strings.ToLower(strings.TrimSpace(h.Get("Content-Encoding"))); ce != "gzip" && ce != "x-gzip" {
+		return body
+	}
+	zr, err := gzip.NewReader(bytes.NewReader(body))
+	if err != nil {
+		return body
+	}
+	out, err := io.ReadAll(io.LimitReader(zr, limit+1))
+	if err != nil || int64(len(out)) > limit {
+		return body
+	}
+	return out
 }
 
 // execute runs the handler under the lease and settles the record.

@@ -1,6 +1,7 @@
 package httpidem_test
 
 import (
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -481,6 +482,32 @@ func TestXIdempotencyKey(t *testing.T) {
 	if a.runs.Load() != 2 {
 		t.Fatalf("ran %d times, want the POST once and the GET", a.runs.Load())
 	}
+}
+
+// TestGzipBodyFingerprintsWhatItCarries: a body sent gzip-encoded is
+// fingerprinted as what it decodes to, so that a retry compressed again (a
+// new timestamp in the gzip header) is the same payload, replayed, and a
+// changed one inside is a 422; canonical JSON and field exclusions apply
+// to it. (It was fingerprinted as compressed: the retry got a 422.)
+func TestGzipBodyFingerprintsWhatItCarries(t *testing.T) {
+	zipped := func(body string, mtime time.Time) string {
+		var b strings.Builder
+		zw := gzip.NewWriter(&b)
+		zw.ModTime = mtime
+		io.WriteString(zw, body)
+		zw.Close()
+		return b.String()
+	}
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), ExcludeFields: []string{"sent_at"}}, a)
+	t0 := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	first := send(t, srv, "POST", "/pay", "k", zipped(`{"amount":100,"sent_at":1}`, t0), "Content-Encoding", "gzip")
+	again := send(t, srv, "POST", "/pay", "k", zipped(`{"sent_at":2, "amount":100}`, t0.Add(time.Second)), "Content-Encoding", "gzip")
+	if first.status != 201 || again.header.Get(httpidem.HeaderReplayed) != "true" || a.runs.Load() != 1 {
+		t.Fatalf("the same payload compressed again: %d then %d (replayed %q), ran %d times; want the replay",
+			first.status, again.status, again.header.Get(httpidem.HeaderReplayed), a.runs.Load())
+	}
+	wantProblem(t, send(t, srv, "POST", "/pay", "k", zipped(`{"amount":500}`, t0), "Content-Encoding", "gzip"), 422, httpidem.ProblemPayloadMismatch)
 }
 
 func TestNothingHappenedReleasesKey(t *testing.T) {
