@@ -513,7 +513,11 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 		e.notify(ctx, l.Scope, l.Key)
 		return nil
 	case errors.Is(err, ErrUnavailable):
-		return e.journal.put(p, l.Fingerprint)
+		if err := e.journal.put(p, l.Fingerprint); err != nil {
+			return err
+		}
+		e.notify(ctx, l.Scope, l.Key) // this engine's waiters find it in the journal
+		return nil
 	case errors.Is(err, ErrLeaseLost) && state == StateCompleted && e.adopt(ctx, l, resp):
 		return nil
 	}

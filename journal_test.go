@@ -139,3 +139,29 @@ func TestSharedJournalDirectory(t *testing.T) {
 		t.Errorf("the file a crash left an hour ago: %v, want it removed", err)
 	}
 }
+
+// finishDownStore refuses every settling write as unreachable; the rest
+// goes through.
+type finishDownStore struct{ idem.Store }
+
+func (finishDownStore) Finish(context.Context, store.FinishParams) error { return idem.ErrUnavailable }
+
+// TestWaitersWokenByAJournaledOutcome: duplicates waiting in this process
+// for work that runs here get its outcome as soon as it is kept in the
+// journal (the store away), not at the end of their wait. (Nobody woke
+// them: they slept their whole wait, then got 409.)
+func TestWaitersWokenByAJournaledOutcome(t *testing.T) {
+	e, out := started(t, idem.Config{Store: finishDownStore{memstore.New()}, StoreTimeout: 100 * time.Millisecond, Poll: time.Hour})
+	got := make(chan idem.Outcome, 1)
+	go func() {
+		o, _ := e.Await(ctx, idem.BeginParams{Key: "k", Fingerprint: payload}, time.Hour)
+		got <- o
+	}()
+	wait.Until(t, 10*time.Second, "the duplicate to wait", func() bool { return e.Waiting("", "k") == 1 })
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("charged")}); err != nil {
+		t.Fatalf("Complete with the store away: %v, want it kept", err)
+	}
+	if o := wait.Recv(t, got, 10*time.Second, "the duplicate's answer"); o.Decision != idem.Replay || string(o.Record.Response.Body) != "charged" {
+		t.Fatalf("the duplicate got %v %+v; want the replay of the kept outcome", o.Decision, o.Record.Response)
+	}
+}
