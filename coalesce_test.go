@@ -3,8 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -188,7 +186,7 @@ func TestConcurrentRequestsShareOneAcquire(t *testing.T) {
 	// Every other request waits for the first one's acquire (a request that
 	// has started need not have got that far yet on a loaded machine).
 	wait.Until(t, 10*time.Second, "the other requests to share the first acquire", func() bool {
-		return blockedIn("idem.(*Engine).Begin", "coalesce_test.go") == n-1
+		return testkit.Selecting("idem.(*Engine).Begin", "coalesce_test.go") == n-1
 	})
 	close(g.release)
 	wait.Done(t, 10*time.Second, "every request's answer", done.Wait)
@@ -217,35 +215,6 @@ func (g *payloadGate) Acquire(ctx context.Context, p store.AcquireParams) (idem.
 		<-g.release
 	}
 	return g.Counted.Acquire(ctx, p)
-}
-
-// blockedIn counts the goroutines blocked in a select with every one of
-// frames on their stacks.
-func blockedIn(frames ...string) int {
-	buf := make([]byte, 1<<16)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		header, _, _ := strings.Cut(g, "\n")
-		if !strings.Contains(header, "[select") {
-			continue
-		}
-		all := true
-		for _, f := range frames {
-			all = all && strings.Contains(g, f)
-		}
-		if all {
-			n++
-		}
-	}
-	return n
 }
 
 // TestAWaiterGivingUpLeavesTheOthersWaiting: when the duplicate that polls
@@ -290,7 +259,7 @@ func TestAWaiterGivingUpLeavesTheOthersWaiting(t *testing.T) {
 	go func() { defer close(reusedDone); eng.Begin(ctx, reused) }()
 	wait.Recv(t, g.entered, 10*time.Second, "the other payload's acquire")
 	wait.Until(t, 10*time.Second, "the poller to share that acquire", func() bool {
-		return blockedIn("idem.(*Engine).Begin", "idem.(*Engine).awaitStep") == 1
+		return testkit.Selecting("idem.(*Engine).Begin", "idem.(*Engine).awaitStep") == 1
 	})
 	leave()
 	if err := wait.Recv(t, pollerDone, 10*time.Second, "the poller to give up"); !errors.Is(err, context.Canceled) {

@@ -8,6 +8,7 @@ import (
 	"context"
 	"net/http"
 	"runtime"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -127,17 +128,36 @@ func Pending(ch <-chan struct{}) bool {
 	}
 }
 
+// stacks returns the stacks of every goroutine, as runtime.Stack writes
+// them.
+func stacks() string {
+	for buf := make([]byte, 1<<16); ; buf = make([]byte, 2*len(buf)) {
+		if n := runtime.Stack(buf, true); n < len(buf) {
+			return string(buf[:n])
+		}
+	}
+}
+
 // Goroutines counts the goroutines that the calling goroutine started in
 // function fn (as runtime.Stack names it) and that are still running.
 func Goroutines(fn string) int {
 	buf := make([]byte, 64)
 	self := strings.Fields(string(buf[:runtime.Stack(buf, false)]))[1] // goroutine <id> [running]:
-	for {
-		buf = make([]byte, 2*len(buf))
-		if n := runtime.Stack(buf, true); n < len(buf) {
-			return strings.Count(string(buf[:n]), "\ncreated by "+fn+" in goroutine "+self+"\n")
+	return strings.Count(stacks(), "\ncreated by "+fn+" in goroutine "+self+"\n")
+}
+
+// Selecting counts the goroutines blocked in a select with every one of
+// frames (function names or file names) on their stacks: how a test knows
+// that callers wait where it means them to, when nothing signals it.
+func Selecting(frames ...string) int {
+	n := 0
+	for _, g := range strings.Split(stacks(), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(header, "[select") && !slices.ContainsFunc(frames, func(f string) bool { return !strings.Contains(g, f) }) {
+			n++
 		}
 	}
+	return n
 }
 
 // AwaitGoroutines waits until exactly want goroutines that the calling
