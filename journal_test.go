@@ -37,9 +37,15 @@ func (s *modalStore) Finish(ctx context.Context, p store.FinishParams) error {
 	switch mode {
 	case "down":
 		return idem.ErrUnavailable
-	case "hold":
-		s.held <- struct{}{}
-		<-s.release
+	case "hold": // bounded: a test that went wrong fails, it does not hang in Close
+		select {
+		case s.held <- struct{}{}:
+		case <-time.After(10 * time.Second):
+		}
+		select {
+		case <-s.release:
+		case <-time.After(10 * time.Second):
+		}
 	}
 	return s.Store.Finish(ctx, p)
 }
@@ -56,7 +62,11 @@ func TestLateCompleteAfterMarkUnknownIsKept(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { e.Close(context.Background()) })
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		e.Close(ctx)
+	})
 	out, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
 	if err != nil || out.Decision != idem.Execute {
 		t.Fatal(out.Decision, err)

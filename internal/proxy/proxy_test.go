@@ -338,7 +338,7 @@ func TestClientGoneMidResponseKeepsTheOutcome(t *testing.T) {
 	srv := start(t, proxy.Config{Defaults: proxy.Route{Config: httpidem.Config{MaxResponseBody: 1024}}}, eng, up)
 	req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader("x"))
 	req.Header.Set("Idempotency-Key", "k")
-	client := &http.Client{Transport: &http.Transport{}}
+	client := &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}
 	resp, err := client.Do(req)
 	if err != nil || resp.StatusCode != 201 {
 		t.Fatalf("first: %v, %v", resp, err)

@@ -414,7 +414,7 @@ func TestRolledBackIsUnavailable(t *testing.T) {
 	if _, err := tx.Exec(ctx, "SELECT FROM "+table(schema, "records")+" WHERE key = 'k' FOR UPDATE"); err != nil {
 		t.Fatalf("the other transaction, once the store's is rolled back: %v", err)
 	}
-	err = <-finished // bounded by its context
+	err = wait.Recv(t, finished, 40*time.Second, "the Finish that waited")
 	if !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "40P01") {
 		t.Fatalf("Finish rolled back by a deadlock = %v, want ErrUnavailable (SQLSTATE 40P01)", err)
 	}
