@@ -71,8 +71,10 @@ const DefaultWait = 5 * time.Second
 
 // HeaderIgnored is set on the answer to a request that carries an
 // Idempotency-Key the middleware does not honour (its method is not
-// covered): the request ran, without idempotency, and the header says why.
-// A key is never ignored silently.
+// covered, or [Config.FailOpen] ran it while the store was unreachable):
+// the request ran, without idempotency, and the header says why. A key is
+// never ignored silently, so that a client does not retry such an answer
+// believing the retry safe.
 const HeaderIgnored = "Idempotent-Ignored"
 
 // InProgressRetryAfter is the Retry-After of a 409 in-progress answer.
@@ -482,6 +484,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && r.Context().Err() == nil {
 			m.observe(r, ObservedFailOpen)
 			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
+			w.Header().Set(HeaderIgnored, "the idempotency store could not be reached: the request ran without idempotency (fail-open)")
 			next.ServeHTTP(w, r)
 			return
 		}

@@ -400,8 +400,14 @@ func TestStoreDownFailsClosed(t *testing.T) {
 		t.Fatalf("fail closed: handler ran %d times, Retry-After %q", a.runs.Load(), r.header.Get("Retry-After"))
 	}
 	open := serve(t, httpidem.Config{Engine: eng, FailOpen: true}, a)
-	if r := send(t, open, "POST", "/pay", "k", "x"); r.status != 201 || a.runs.Load() != 1 {
+	r = send(t, open, "POST", "/pay", "k", "x")
+	if r.status != 201 || a.runs.Load() != 1 {
 		t.Fatalf("fail open: %d, ran %d", r.status, a.runs.Load())
+	}
+	// The key was not honoured, and the answer says so: a client that
+	// retried it (its answer lost) would run it again under a new record.
+	if r.header.Get(httpidem.HeaderIgnored) == "" {
+		t.Fatalf("fail open ran the request without idempotency and did not say so (no %s)", httpidem.HeaderIgnored)
 	}
 }
 
