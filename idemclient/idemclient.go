@@ -11,13 +11,18 @@
 // 409 in-progress, 429, 502, 503 and 504, honouring Retry-After, with capped
 // exponential backoff and full jitter, within a limit on attempts and on
 // total time, and stops when the request's context ends. It never retries a
-// request without a key (nothing would make the retry safe), nor 400, 422,
-// 409 operation-uncertain, or any other answer.
+// request without a key (nothing would make the retry safe), an answer
+// whose Idempotent-Ignored header says the server did not honour the key,
+// nor 400, 422, 409 operation-uncertain, or any other answer. When it gives
+// up on a request it sent, its error is an [*Error] that carries the key,
+// with which the request can be sent again without running it twice. A
+// caller's own key, in Idempotency-Key or X-Idempotency-Key, is kept as
+// it is.
 //
 // It honours the RoundTripper contract: the caller's request is never
 // modified (each attempt is a clone), the body is rewound with GetBody
 // (or buffered once when there is none), and the bodies of responses it
-// discards are drained and closed.
+// discards are drained (for a second at most) and closed.
 package idemclient
 
 import (
@@ -29,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	mrand "math/rand/v2"
 	"mime"
 	"net/http"
@@ -128,11 +134,42 @@ func New(cfg Config) *Transport {
 // over MaxBody: it cannot be retried safely, so it is not sent.
 var ErrBodyTooLarge = errors.New("idemclient: request body too large to buffer for retries")
 
+// Error is what RoundTrip returns when it gives up on a request it has
+// sent at least once: attempts or time ran out on network errors, or the
+// request's context ended. The server may have run the request; sending it
+// again with Key (set as the request's Idempotency-Key) learns its outcome
+// without running it twice, where a new key could run it again. Its
+// message does not show the key.
+type Error struct {
+	// Key is the idempotency key every attempt carried.
+	Key string
+	// Attempts is how many attempts were sent.
+	Attempts int
+	// Err is the last attempt's error, or the context's.
+	Err error
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("idemclient: gave up after %d attempt(s): %v", e.Attempts, e.Err)
+}
+
+// Unwrap returns e.Err.
+func (e *Error) Unwrap() error { return e.Err }
+
+// drainTimeout bounds the reading of an answer's body that is discarded.
+const drainTimeout = time.Second
+
 // RoundTrip implements [http.RoundTripper].
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	key := req.Header.Get("Idempotency-Key")
+	header, key := "Idempotency-Key", req.Header.Get("Idempotency-Key")
+	if key == "" && req.Header.Get("X-Idempotency-Key") != "" {
+		header, key = "X-Idempotency-Key", req.Header.Get("X-Idempotency-Key") // the caller's, under the name it chose
+	}
 	if key == "" && !t.methods[req.Method] {
 		return t.cfg.Base.RoundTrip(req) // no key, no retry
+	}
+	if req.Body != nil {
+		defer req.Body.Close() // each attempt sends a body of its own
 	}
 	if key == "" {
 		var err error
@@ -143,7 +180,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	getBody := req.GetBody
 	if req.Body != nil && req.Body != http.NoBody && getBody == nil {
 		b, err := io.ReadAll(io.LimitReader(req.Body, t.cfg.MaxBody+1))
-		req.Body.Close()
 		if err != nil {
 			return nil, fmt.Errorf("idemclient: reading the request body: %w", err)
 		}
@@ -156,37 +192,53 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	start := time.Now()
 	for attempt := 1; ; attempt++ {
 		out := req.Clone(ctx)
-		out.Header.Set("Idempotency-Key", key)
+		out.Header.Set(header, key)
 		if getBody != nil {
 			body, err := getBody()
 			if err != nil {
-				return nil, fmt.Errorf("idemclient: rewinding the request body: %w", err)
+				return nil, t.gaveUp(key, attempt-1, fmt.Errorf("idemclient: rewinding the request body: %w", err))
 			}
 			out.Body, out.GetBody = body, getBody
 		}
 		resp, err := t.cfg.Base.RoundTrip(out)
-		if !retryable(resp, err) || ctx.Err() != nil || attempt >= t.cfg.MaxAttempts {
-			return resp, err
+		if !retryable(resp, err, start.Add(t.cfg.MaxElapsed)) || ctx.Err() != nil || attempt >= t.cfg.MaxAttempts {
+			return resp, t.gaveUp(key, attempt, err)
 		}
 		wait := t.backoff(attempt, resp)
 		if time.Since(start)+wait > t.cfg.MaxElapsed {
-			return resp, err
+			return resp, t.gaveUp(key, attempt, err)
 		}
 		if t.cfg.OnRetry != nil {
 			t.cfg.OnRetry(attempt, resp, err, wait)
 		}
 		if resp != nil {
-			io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16)) // drain, so the connection is reused
-			resp.Body.Close()
+			discard(resp.Body)
 		}
 		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return nil, ctx.Err()
+			return nil, t.gaveUp(key, attempt, ctx.Err())
 		case <-timer.C:
 		}
 	}
+}
+
+// gaveUp is err, when not nil, as an [*Error] carrying the key.
+func (t *Transport) gaveUp(key string, attempts int, err error) error {
+	if err == nil || attempts == 0 {
+		return err
+	}
+	return &Error{Key: key, Attempts: attempts, Err: err}
+}
+
+// discard drains (so that the connection is reused) and closes the body
+// of an answer that is not returned, in at most drainTimeout.
+func discard(body io.ReadCloser) {
+	stop := time.AfterFunc(drainTimeout, func() { body.Close() }) // unblocks a stalled Read
+	io.Copy(io.Discard, io.LimitReader(body, 1<<16))
+	stop.Stop()
+	body.Close()
 }
 
 // retryable reports whether an attempt's result may be retried with the
@@ -195,9 +247,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // The server's Stripe-Should-Retry header decides when present (idem sends it
 // on every problem; so do Stripe's API and APIs modelled on it); otherwise
 // the status, and for a 409 the problem type, do.
-func retryable(resp *http.Response, err error) bool {
+func retryable(resp *http.Response, err error, deadline time.Time) bool {
 	if err != nil {
 		return !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+	}
+	if resp.Header.Get(headerIgnored) != "" {
+		return false // the key was not honoured: the request ran without idempotency
 	}
 	switch resp.Header.Get("Stripe-Should-Retry") {
 	case "true":
@@ -209,23 +264,42 @@ func retryable(resp *http.Response, err error) bool {
 	case http.StatusTooManyRequests, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
 		return true
 	case http.StatusConflict:
-		return inProgress(resp)
+		return inProgress(resp, deadline)
 	}
 	return false
 }
 
+// headerIgnored is the header a server following the idempotency contract
+// (idem does) sets on the answer to a request whose key it did not
+// honour: the request ran without idempotency, and a retry would run it
+// again.
+const headerIgnored = "Idempotent-Ignored"
+
 // inProgress reports whether a 409 says the first request is still running
-// (worth a retry), rather than, say, operation-uncertain (not now).
-func inProgress(resp *http.Response) bool {
+// (worth a retry), rather than, say, operation-uncertain (not now). It
+// reads the body until deadline at most.
+func inProgress(resp *http.Response, deadline time.Time) bool {
 	if mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); mt != "application/problem+json" {
 		return resp.Header.Get("Retry-After") != ""
 	}
 	// Peek at the problem's type, keeping the body readable for the caller.
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
-	resp.Body.Close()
+	body := resp.Body
+	stop := time.AfterFunc(time.Until(deadline), func() { body.Close() }) // unblocks a stalled Read
+	b, err := io.ReadAll(io.LimitReader(body, 1<<16))
+	stop.Stop()
+	body.Close()
+	if err != nil { // cut at the deadline: what was read, then the error
+		resp.Body = io.NopCloser(io.MultiReader(bytes.NewReader(b), errReader{err}))
+		return false
+	}
 	resp.Body = io.NopCloser(bytes.NewReader(b))
 	return bytes.Contains(b, []byte("in-progress"))
 }
+
+// errReader is a reader that fails with err.
+type errReader struct{ err error }
+
+func (r errReader) Read([]byte) (int, error) { return 0, r.err }
 
 // backoff is the wait before the next attempt: full jitter under a capped
 // exponential, or the server's Retry-After when longer.
@@ -248,8 +322,8 @@ func retryAfter(v string) time.Duration {
 	if v == "" {
 		return 0
 	}
-	if s, err := strconv.Atoi(v); err == nil && s >= 0 {
-		return time.Duration(s) * time.Second
+	if s, err := strconv.ParseInt(v, 10, 64); err == nil && s >= 0 {
+		return time.Duration(min(s, int64(math.MaxInt64/time.Second))) * time.Second // a longer wait than any MaxElapsed, not an overflow
 	}
 	if t, err := http.ParseTime(v); err == nil {
 		return max(time.Until(t), 0)

@@ -281,3 +281,179 @@ func TestUUIDs(t *testing.T) {
 		prev = v7[:13]
 	}
 }
+
+// TestIgnoredKeyIsNotRetried: an answer that says the server did not honour
+// the key (Idempotent-Ignored) is returned as it is: the request ran
+// without idempotency, and a retry would run it again.
+func TestIgnoredKeyIsNotRetried(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, Methods: []string{"POST"}})
+	var runs atomic.Int64
+	ts := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			w.WriteHeader(http.StatusGatewayTimeout) // the work was done, its answer lost downstream
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})))
+	defer ts.Close()
+	req, _ := http.NewRequest("PATCH", ts.URL, strings.NewReader(`{"x":1}`))
+	resp, err := client(idemclient.Config{}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if runs.Load() != 1 || resp.StatusCode != http.StatusGatewayTimeout || resp.Header.Get(httpidem.HeaderIgnored) == "" {
+		t.Fatalf("the handler ran %d times, answer %d; want one run and its 504, whose key was ignored", runs.Load(), resp.StatusCode)
+	}
+}
+
+// TestCallersXIdempotencyKey: a caller's own X-Idempotency-Key is its key:
+// every attempt carries it, and no second key is added beside it (which a
+// server reads as two keys, a 400).
+func TestCallersXIdempotencyKey(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+	var runs atomic.Int64
+	ts := httptest.NewServer(&dropAfterRun{next: mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	}))})
+	defer ts.Close()
+	req, _ := http.NewRequest("POST", ts.URL, strings.NewReader(`{"x":1}`))
+	req.Header.Set("X-Idempotency-Key", "order-42")
+	resp, err := client(idemclient.Config{}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || runs.Load() != 1 || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("answer %d after %d runs (replayed %q); want the first run's 201, replayed", resp.StatusCode, runs.Load(), resp.Header.Get("Idempotent-Replayed"))
+	}
+	if got := resp.Request.Header.Values("Idempotency-Key"); len(got) != 0 {
+		t.Fatalf("a second key was added beside the caller's X-Idempotency-Key: %q", got)
+	}
+}
+
+// TestKeyKeptWhenGivingUp: when the transport gives up after sending the
+// request (attempts or time run out, or the context ends in a backoff),
+// its error carries the key, the only way its caller can ask again without
+// running the request twice.
+func TestKeyKeptWhenGivingUp(t *testing.T) {
+	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+		conn, _, _ := http.NewResponseController(w).Hijack()
+		conn.Close() // every answer lost
+	}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	resp, err := client(idemclient.Config{MaxAttempts: 3}).Post(ts.URL, "application/json", strings.NewReader(`{}`))
+	if err == nil {
+		resp.Body.Close()
+		t.Fatal("no error after every answer was lost")
+	}
+	keys, _ := srv.seen()
+	var gaveUp *idemclient.Error
+	if !errors.As(err, &gaveUp) || len(keys) != 3 || gaveUp.Key != keys[0] || gaveUp.Attempts != 3 {
+		t.Fatalf("error %v after %d attempts; want an *idemclient.Error carrying the key sent and 3 attempts", err, len(keys))
+	}
+	if strings.Contains(err.Error(), keys[0]) {
+		t.Fatalf("the error's message shows the key: %v", err)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	wait := httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) {
+		w.Header().Set("Retry-After", "5")
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}})
+	defer wait.Close()
+	req, _ := http.NewRequestWithContext(ctx, "POST", wait.URL, nil)
+	_, err = client(idemclient.Config{}).Do(req)
+	if !errors.As(err, &gaveUp) || gaveUp.Key == "" || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the context ended in a backoff: %v; want an *idemclient.Error with the key, wrapping the deadline", err)
+	}
+}
+
+// TestStalledBodiesAreNotWaitedFor: the body of an answer to retry (or a
+// 409 read for its problem type) that stalls does not hold the request
+// past MaxElapsed.
+func TestStalledBodiesAreNotWaitedFor(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		write func(w http.ResponseWriter)
+	}{
+		{"503", func(w http.ResponseWriter) { w.WriteHeader(http.StatusServiceUnavailable) }},
+		{"409", func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(http.StatusConflict)
+		}},
+	} {
+		release := make(chan struct{})
+		ts := httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) {
+			c.write(w)
+			io.WriteString(w, `{"type":"`)
+			w.(http.Flusher).Flush()
+			<-release // the rest of the body never comes
+		}})
+		done := make(chan error, 1)
+		go func() {
+			resp, err := client(idemclient.Config{MaxElapsed: 500 * time.Millisecond, MaxAttempts: 2}).Post(ts.URL, "", nil)
+			if err == nil {
+				resp.Body.Close()
+			}
+			done <- err
+		}()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Errorf("%s: still waiting for a stalled body 10 s into a request with MaxElapsed 500ms", c.name)
+		}
+		close(release)
+		ts.Close()
+	}
+}
+
+// TestHugeRetryAfter: a Retry-After too long for a time.Duration is too
+// long to wait, not a short wait (it overflowed to 0.29 s).
+func TestHugeRetryAfter(t *testing.T) {
+	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+		w.Header().Set("Retry-After", "18446744074")
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	resp, err := client(idemclient.Config{MaxElapsed: 5 * time.Second}).Post(ts.URL, "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if keys, _ := srv.seen(); len(keys) != 1 {
+		t.Fatalf("%d attempts; want the 503 at once (its Retry-After is past MaxElapsed)", len(keys))
+	}
+}
+
+// closeCounter is a request body that counts its closes.
+type closeCounter struct {
+	io.Reader
+	closed atomic.Int64
+}
+
+func (c *closeCounter) Close() error { c.closed.Add(1); return nil }
+
+// TestRequestBodyClosed: the RoundTripper contract says the request's body
+// is closed, even when a GetBody supplies every attempt's.
+func TestRequestBodyClosed(t *testing.T) {
+	ts := httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) { w.WriteHeader(http.StatusCreated) }})
+	defer ts.Close()
+	body := &closeCounter{Reader: strings.NewReader("x")}
+	req, _ := http.NewRequest("POST", ts.URL, body)
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(strings.NewReader("x")), nil }
+	resp, err := idemclient.New(idemclient.Config{}).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if body.closed.Load() == 0 {
+		t.Fatal("the request's body was never closed")
+	}
+}
