@@ -604,19 +604,32 @@ func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 // body omitted.
 func (e *Engine) MaxBody() int { return store.MaxBody(e.store) }
 
-// Get returns the live record under scope and key, or [ErrNotFound].
+// Get returns the live record under scope and key, or [ErrNotFound]. A
+// store that does not answer within the store timeout is unavailable.
 func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
-	r, err := e.store.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+	sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
+	defer cancel()
+	r, err := e.store.Get(sctx, store.GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
 	if err == nil || errors.Is(err, ErrNotFound) {
 		e.answered()
+	}
+	if ctx.Err() == nil { // the caller's own cancellation is its answer
+		err = unanswered(sctx, err)
 	}
 	return r, err
 }
 
 // Scan returns a page of stale records (UNKNOWN, or IN_PROGRESS past their
-// lease) for a reconciler; pass the returned cursor to get the next page.
+// lease) for a reconciler; pass the returned cursor to get the next page. A
+// store that does not answer within the store timeout is unavailable.
 func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult, error) {
-	return e.store.Scan(ctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+	sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
+	defer cancel()
+	page, err := e.store.Scan(sctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+	if ctx.Err() == nil {
+		err = unanswered(sctx, err)
+	}
+	return page, err
 }
 
 // List returns a page of the live records that match p, in any state, for

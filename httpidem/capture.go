@@ -18,6 +18,21 @@ var neverStored = map[string]bool{
 	"Upgrade": true, "Proxy-Connection": true, "Date": true, HeaderReplayed: true,
 }
 
+// StoredHeader returns the headers of h that idem stores for a replay, as
+// it stores a handler's: names in canonical form (values under names that
+// differ only in case are merged), without credentials, cookies,
+// hop-by-hop and per-response headers. For outcomes that come from
+// elsewhere than a handler: a resolver's, an operator's.
+func StoredHeader(h http.Header) http.Header {
+	c := make(http.Header, len(h))
+	for name, values := range h {
+		for _, v := range values {
+			c.Add(name, v)
+		}
+	}
+	return storedHeader(c, nil)
+}
+
 // storedHeader returns the headers of h a replay may repeat: all but the
 // never-stored ones, or only those in allow when it is set.
 func storedHeader(h http.Header, allow map[string]bool) http.Header {

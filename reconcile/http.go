@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -62,7 +63,7 @@ func (h HTTPResolver) Resolve(ctx context.Context, rec idem.Record) (Resolution,
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, h.URL, bytes.NewReader(body))
 	if err != nil {
-		return Resolution{}, fmt.Errorf("reconcile: resolver URL: %w", err)
+		return Resolution{}, fmt.Errorf("%w: reconcile: the resolver URL does not parse", idem.ErrInvalid) // its error would show it whole
 	}
 	req.Header.Set("Content-Type", "application/json")
 	client := h.Client
@@ -71,24 +72,27 @@ func (h HTTPResolver) Resolve(ctx context.Context, rec idem.Record) (Resolution,
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return Resolution{}, fmt.Errorf("reconcile: asking %s: %w", h.URL, err)
+		if ue, ok := err.(*url.Error); ok {
+			err = ue.Err // it names the URL whole
+		}
+		return Resolution{}, fmt.Errorf("reconcile: asking %s: %w", h.where(), err)
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
 	if err != nil {
-		return Resolution{}, fmt.Errorf("reconcile: reading %s: %w", h.URL, err)
+		return Resolution{}, fmt.Errorf("reconcile: reading %s: %w", h.where(), err)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return Resolution{}, fmt.Errorf("reconcile: %s answered %d", h.URL, resp.StatusCode)
+		return Resolution{}, fmt.Errorf("reconcile: %s answered %d", h.where(), resp.StatusCode)
 	}
 	var a httpAnswer
 	if err := json.Unmarshal(raw, &a); err != nil {
-		return Resolution{}, fmt.Errorf("reconcile: %s answered something that is not a resolution: %w", h.URL, err)
+		return Resolution{}, fmt.Errorf("reconcile: %s answered something that is not a resolution: %w", h.where(), err)
 	}
 	switch a.Outcome {
 	case "completed":
 		if a.Status < 100 || a.Status > 999 {
-			return Resolution{}, fmt.Errorf("reconcile: %s said completed with status %d", h.URL, a.Status)
+			return Resolution{}, fmt.Errorf("reconcile: %s said completed with status %d", h.where(), a.Status)
 		}
 		return Resolution{Outcome: Completed, Response: &idem.Response{Status: a.Status, Header: a.Header, Body: []byte(a.Body)}}, nil
 	case "failed":
@@ -96,5 +100,16 @@ func (h HTTPResolver) Resolve(ctx context.Context, rec idem.Record) (Resolution,
 	case "unknown":
 		return Resolution{Outcome: StillUnknown}, nil
 	}
-	return Resolution{}, fmt.Errorf("reconcile: %s answered outcome %q; want completed, failed or unknown", h.URL, a.Outcome)
+	return Resolution{}, fmt.Errorf("reconcile: %s answered outcome %q; want completed, failed or unknown", h.where(), a.Outcome)
+}
+
+// where names the resolver in errors, which are logged: its URL without
+// password or query (either may hold a credential).
+func (h HTTPResolver) where() string {
+	u, err := url.Parse(h.URL)
+	if err != nil {
+		return "the resolver"
+	}
+	u.RawQuery, u.Fragment = "", ""
+	return u.Redacted()
 }

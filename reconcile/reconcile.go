@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
 )
 
 // Defaults for [Config].
@@ -170,8 +171,8 @@ type Report struct {
 	Completed, Failed int
 	// Unknown are records the resolver could not answer for yet.
 	Unknown int
-	// Lost were settled by someone else (the owner, another reconciler)
-	// between the scan and this pass's write.
+	// Lost were settled, renewed or taken over by someone else (the owner,
+	// another reconciler, a retry) since the scan saw them.
 	Lost int
 	// Errors are records the pass could not handle; see the log.
 	Errors int
@@ -201,13 +202,10 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 
 func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	eng := r.cfg.Engine
-	log := r.log.With("scope", rec.Scope, "key_hash", idem.KeyHash(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
+	log := r.log.With("key_hash", idem.KeyHash(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
 	// A downstream call made just before the lease ended, or just before the
 	// record became unknown (a timeout on the owner's side), may still land.
-	quiet := rec.LeaseExpires
-	if rec.State == idem.StateUnknown {
-		quiet = rec.Updated
-	}
+	quiet := quietSince(rec)
 	if t := r.unreachable.Load(); t != nil && t.After(quiet) {
 		quiet = *t // owners may have outcomes in their journals to store first
 	}
@@ -215,20 +213,37 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 		rep.Waiting++
 		return
 	}
+	// A scan may answer from an index that lags behind the records (a
+	// DynamoDB secondary index does): the record itself says whether its
+	// owner has renewed it, or someone settled it, since.
+	fresh, err := eng.Get(ctx, rec.Scope, rec.Key)
+	switch {
+	case errors.Is(err, idem.ErrNotFound):
+		rep.Lost++
+		return
+	case err != nil:
+		r.noteUnreachable(err)
+		rep.Errors++
+		log.Error("reconcile: reading the record", "err", err)
+		return
+	case fresh.Token != rec.Token || !fresh.Stale(eng.Now()) || eng.Now().Before(quietSince(fresh).Add(r.cfg.Grace)):
+		rep.Lost++ // renewed, settled or taken over since the scan
+		return
+	}
+	rec = fresh
 	var res Resolution
 	if rec.State == idem.StateInProgress && rec.TakeoverSafe {
 		// All of its effects commit with the record, which never committed:
 		// nothing happened.
 		res = Resolution{Outcome: Failed}
 	} else {
-		var err error
 		if res, err = r.cfg.Resolver.Resolve(ctx, rec); err != nil {
 			rep.Errors++
 			log.Error("reconcile: resolver failed", "err", err)
 			return
 		}
 	}
-	err := apply(ctx, eng, rec, res)
+	err = apply(ctx, eng, rec, res)
 	switch {
 	case errors.Is(err, errStillUnknown):
 		rep.Unknown++
@@ -258,7 +273,11 @@ func apply(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolutio
 		if res.Response == nil {
 			return fmt.Errorf("%w: reconcile: a completed resolution needs a response", idem.ErrInvalid)
 		}
-		s.State, s.Response = idem.StateCompleted, res.Response
+		// Its headers are stored as a handler's are (a resolver in another
+		// language may spell names in lower case, or pass a Set-Cookie on).
+		response := *res.Response
+		response.Header = httpidem.StoredHeader(response.Header)
+		s.State, s.Response = idem.StateCompleted, &response
 	case Failed:
 		s.State = idem.StateFailed
 	default:
@@ -282,27 +301,42 @@ var (
 	ErrLeaseRunning = errors.New("reconcile: the record's owner still holds its lease")
 )
 
-// Releasable reports whether an IN_PROGRESS record may be settled by hand
-// at now: its lease ended [DefaultGrace] ago or more. Within the grace its
-// owner, whose renewals may have failed while its work went on, may still
-// store the true outcome, as the reconciler's own passes allow for.
-func Releasable(rec idem.Record, now time.Time) bool {
-	return rec.State == idem.StateInProgress && !now.Before(rec.LeaseExpires.Add(DefaultGrace))
+// quietSince is when an unsettled record was last heard of: the end of its
+// lease (IN_PROGRESS), or when it became unknown (UNKNOWN). Its owner, whose
+// renewals may have failed while its work went on, may store the true
+// outcome for a while after, and a downstream call it made just before may
+// still land.
+func quietSince(rec idem.Record) time.Time {
+	if rec.State == idem.StateUnknown {
+		return rec.Updated
+	}
+	return rec.LeaseExpires
+}
+
+// AbandonedAt is when an unsettled record may be settled by hand:
+// [DefaultGrace] after its lease ended (IN_PROGRESS) or after it became
+// unknown (UNKNOWN), as the reconciler's own passes wait. Within the grace
+// its owner may still store the true outcome.
+func AbandonedAt(rec idem.Record) time.Time { return quietSince(rec).Add(DefaultGrace) }
+
+// Abandoned reports whether an unsettled record may be settled by hand at
+// now (see [AbandonedAt]).
+func Abandoned(rec idem.Record, now time.Time) bool {
+	return !rec.State.Terminal() && !now.Before(AbandonedAt(rec))
 }
 
 // Resolve settles one record by hand, as an operator who found out what
 // happened (idem keys resolve): res is what a resolver would have answered,
 // Completed with a response or Failed. It refuses a settled record
-// ([ErrSettled]) and, unless force, an IN_PROGRESS one that is not
-// [Releasable] ([ErrLeaseRunning]), since its owner may yet store the true
-// outcome. [idem.ErrLeaseLost] means the record changed meanwhile (look
-// again).
+// ([ErrSettled]) and, unless force, one that is not [Abandoned]
+// ([ErrLeaseRunning]), since its owner may yet store the true outcome.
+// [idem.ErrLeaseLost] means the record changed meanwhile (look again).
 func Resolve(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolution, force bool) error {
 	switch {
 	case rec.State.Terminal():
 		return fmt.Errorf("%w (%s)", ErrSettled, rec.State)
-	case rec.State == idem.StateInProgress && !Releasable(rec, eng.Now()) && !force:
-		return fmt.Errorf("%w, or may store its outcome, until %s", ErrLeaseRunning, rec.LeaseExpires.Add(DefaultGrace).UTC().Format(time.RFC3339))
+	case !Abandoned(rec, eng.Now()) && !force:
+		return fmt.Errorf("%w, or may store its outcome, until %s", ErrLeaseRunning, AbandonedAt(rec).UTC().Format(time.RFC3339))
 	case res.Outcome != Completed && res.Outcome != Failed:
 		return fmt.Errorf("%w: reconcile: resolve a record as completed or failed", idem.ErrInvalid)
 	}

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -369,14 +370,208 @@ func TestResolveLeavesTheOwnerItsGrace(t *testing.T) {
 	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); !errors.Is(err, reconcile.ErrLeaseRunning) {
 		t.Fatalf("Resolve a second after the lease: %v, want ErrLeaseRunning", err)
 	}
-	if reconcile.Releasable(rec, w.eng.Now()) {
-		t.Fatal("Releasable a second after the lease, want not yet")
+	if reconcile.Abandoned(rec, w.eng.Now()) {
+		t.Fatal("Abandoned a second after the lease, want not yet")
 	}
 	w.clock.Advance(reconcile.DefaultGrace)
-	if !reconcile.Releasable(rec, w.eng.Now()) {
-		t.Fatal("not Releasable past the grace")
+	if !reconcile.Abandoned(rec, w.eng.Now()) {
+		t.Fatal("not Abandoned past the grace")
 	}
 	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); err != nil {
 		t.Fatalf("Resolve past the grace: %v", err)
+	}
+}
+
+// TestResolveLeavesAnUnknownRecordItsGrace: a retry that comes after the
+// lease ended marks the record UNKNOWN at once; an operator's Resolve of it
+// is then refused for the grace, as the reconciler's pass waits and as it
+// was for the same record IN_PROGRESS. (It was accepted at once: the
+// owner's late outcome was refused and the next retry ran the request
+// again.)
+func TestResolveLeavesAnUnknownRecordItsGrace(t *testing.T) {
+	w := newWorld(t)
+	lease := w.begin(t, "k", false)
+	w.clock.Advance(31 * time.Second) // the owner's renewals failed; its lease just ended
+	if out := w.decide(t, "k"); out.Decision != idem.Uncertain {
+		t.Fatalf("a retry: %v; want uncertain", out.Decision)
+	}
+	rec, err := w.eng.Get(ctx, "", "k")
+	if err != nil || rec.State != idem.StateUnknown {
+		t.Fatal(rec.State, err)
+	}
+	if rep, _ := w.reconciler(t, acquirer{}).RunOnce(ctx); rep.Waiting != 1 {
+		t.Fatalf("the reconciler's pass: %+v; want it waiting", rep)
+	}
+	if reconcile.Abandoned(rec, w.eng.Now()) {
+		t.Fatal("Abandoned a second after it became unknown")
+	}
+	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); !errors.Is(err, reconcile.ErrLeaseRunning) {
+		t.Fatalf("Resolve a second after it became unknown: %v; want ErrLeaseRunning", err)
+	}
+	if err := w.eng.Complete(ctx, lease, &idem.Response{Status: 201, Body: []byte("charged k")}); err != nil {
+		t.Fatalf("the owner's late outcome: %v", err)
+	}
+	if out := w.decide(t, "k"); out.Decision != idem.Replay {
+		t.Fatalf("the next retry: %v; want the owner's outcome replayed", out.Decision)
+	}
+	// Past the grace, an unknown record is the operator's.
+	w.begin(t, "k2", false)
+	w.clock.Advance(31 * time.Second)
+	w.decide(t, "k2")
+	w.clock.Advance(reconcile.DefaultGrace)
+	rec, _ = w.eng.Get(ctx, "", "k2")
+	if !reconcile.Abandoned(rec, w.eng.Now()) {
+		t.Fatal("not Abandoned past the grace")
+	}
+	if err := reconcile.Resolve(ctx, w.eng, rec, reconcile.Resolution{Outcome: reconcile.Failed}, false); err != nil {
+		t.Fatalf("Resolve past the grace: %v", err)
+	}
+}
+
+// TestResolvedHeadersAreStoredForAReplay: a resolution's headers are stored
+// as a handler's are: names in canonical form (a resolver in Node sends
+// "content-type": replayed raw, net/http sniffed a second Content-Type
+// beside it), without credentials, cookies and hop-by-hop headers (which
+// were stored and replayed).
+func TestResolvedHeadersAreStoredForAReplay(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(rw, `{"outcome":"completed","status":201,"header":{"content-type":["application/json"],"set-cookie":["session=s3cret"],"Connection":["close"],"x-charge":["ch_1"]},"body":"{}"}`)
+	}))
+	defer srv.Close()
+	w := newWorld(t)
+	w.begin(t, "k", false)
+	w.clock.Advance(5 * time.Minute)
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Resolver: reconcile.HTTPResolver{URL: srv.URL}, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := r.RunOnce(ctx); err != nil || rep.Completed != 1 {
+		t.Fatalf("%+v %v", rep, err)
+	}
+	rec, err := w.eng.Get(ctx, "", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := rec.Response.Header
+	if len(h["Content-Type"]) != 1 || len(h["X-Charge"]) != 1 || h["content-type"] != nil || h.Get("Set-Cookie") != "" || h.Get("Connection") != "" {
+		t.Fatalf("stored headers %v; want Content-Type and X-Charge, canonical, and neither Set-Cookie nor Connection", h)
+	}
+}
+
+// TestReconcilerLogsNoSecrets: the resolver's URL is logged without its
+// password, and a record is named by its key hash, not its scope (which a
+// Scope function may make of a caller's credentials).
+func TestReconcilerLogsNoSecrets(t *testing.T) {
+	down := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) { rw.WriteHeader(500) }))
+	defer down.Close()
+	w := newWorld(t)
+	if _, err := w.eng.Begin(ctx, idem.BeginParams{Scope: "sk_live_tenant", Key: "k", Fingerprint: payload("k")}); err != nil {
+		t.Fatal(err)
+	}
+	w.clock.Advance(5 * time.Minute)
+	var logs strings.Builder
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+		Resolver: reconcile.HTTPResolver{URL: strings.Replace(down.URL, "http://", "http://idem:s3cret-pw@", 1)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep, _ := r.RunOnce(ctx); rep.Errors != 1 {
+		t.Fatalf("%+v; want the resolver's error", rep)
+	}
+	for _, secret := range []string{"s3cret-pw", "sk_live_tenant"} {
+		if strings.Contains(logs.String(), secret) {
+			t.Errorf("the log shows %q:\n%s", secret, logs.String())
+		}
+	}
+}
+
+// laggingScan is a store whose Scan answers from an index that lags, as a
+// DynamoDB global secondary index may: it returns the record as it was when
+// snapped, however it changed since.
+type laggingScan struct {
+	idem.Store
+	snapped []idem.Record
+}
+
+func (s *laggingScan) Scan(context.Context, store.ScanParams) (store.ScanResult, error) {
+	return store.ScanResult{Records: s.snapped}, nil
+}
+
+// TestReconcilerReadsTheRecordBeforeSettling: a record whose scan view is
+// stale (its owner has renewed the lease since) is left to its owner: the
+// reconciler reads the record itself before it asks the resolver. (The
+// stale view was settled with the owner's token while its lease was live,
+// and a retry ran the request again.)
+func TestReconcilerReadsTheRecordBeforeSettling(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	s := &laggingScan{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: s, Clock: clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload("k")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := eng.Get(ctx, "", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.snapped = []idem.Record{rec}
+	lease := out.Lease
+	for range 4 { // the owner renews every 25 s; the index still shows its first lease
+		clock.Advance(25 * time.Second)
+		if lease, err = eng.Renew(ctx, lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var asked atomic.Int64
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Logger: quiet, Resolver: reconcile.ResolverFunc(func(context.Context, idem.Record) (reconcile.Resolution, error) {
+		asked.Add(1)
+		return reconcile.Resolution{Outcome: reconcile.Failed}, nil // the downstream has not seen the owner's call yet
+	})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep, err := r.RunOnce(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if asked.Load() != 0 || rep.Failed != 0 {
+		t.Fatalf("%+v, the resolver asked %d times; want the running record left alone", rep, asked.Load())
+	}
+	if err := eng.Complete(ctx, lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatalf("the owner's outcome: %v", err)
+	}
+}
+
+// hangingScan is a store whose Scan never answers (a connection black-holed).
+type hangingScan struct{ idem.Store }
+
+func (hangingScan) Scan(ctx context.Context, _ store.ScanParams) (store.ScanResult, error) {
+	<-ctx.Done()
+	return store.ScanResult{}, ctx.Err()
+}
+
+// TestScanIsBounded: a pass whose scan is not answered ends with the
+// store's timeout, as unavailable, instead of hanging until TCP gives up.
+func TestScanIsBounded(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: hangingScan{memstore.New()}, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Resolver: acquirer{}, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := r.RunOnce(ctx); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Fatalf("a scan not answered: %v; want unavailable", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a pass whose scan is not answered still runs after 10 s (store timeout 100ms)")
 	}
 }

@@ -453,8 +453,9 @@ type recordData struct {
 	BodySize    int
 	BodyType    string
 	BodyCut     bool
-	Resolvable  bool // UNKNOWN: may be resolved
-	Releasable  bool // IN_PROGRESS past its lease: may be released
+	Resolvable  bool      // UNKNOWN and abandoned: may be resolved
+	Releasable  bool      // IN_PROGRESS and abandoned: may be released
+	ResolveFrom time.Time // UNKNOWN, not abandoned yet: when it may be resolved
 	Message     string
 }
 
@@ -531,8 +532,12 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 			d.Body = string(body)
 		}
 	}
-	d.Resolvable = rec.State == idem.StateUnknown
-	d.Releasable = reconcile.Releasable(rec, now)
+	abandoned := reconcile.Abandoned(rec, now)
+	d.Resolvable = rec.State == idem.StateUnknown && abandoned
+	d.Releasable = rec.State == idem.StateInProgress && abandoned
+	if rec.State == idem.StateUnknown && !abandoned {
+		d.ResolveFrom = reconcile.AbandonedAt(rec)
+	}
 	c.render(w, http.StatusOK, "record", d)
 }
 
@@ -690,6 +695,7 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	}
 	e := Entry{At: time.Now().UTC(), Who: who, From: r.RemoteAddr, Action: a.Name}
 	var back string
+	var unanswered bool // the store did not answer: the action may have been done
 	if a.Name == "purge" {
 		e.Before = "settled records that expired before " + formatTime(a.PurgeBefore)
 		n, err := c.cfg.Engine.Prune(r.Context(), idem.PruneOptions{Before: a.PurgeBefore})
@@ -703,12 +709,12 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 		e.Scope, e.KeyHash = a.Scope, idem.KeyHash(a.Scope, a.Key)
 		e.Before, e.After, err = c.settle(r.Context(), a)
 		if err != nil {
-			e.Error = err.Error()
+			e.Error, unanswered = err.Error(), errors.Is(err, idem.ErrUnavailable)
 		}
 		back = Prefix + "record" + c.link(a.Scope, a.Key) + "&done=" + a.Name
 	}
 	c.changed.Store(true)
-	c.cfg.Logger.Info("console: action", "action", e.Action, "who", e.Who, "from", e.From, "scope", e.Scope, "key_hash", e.KeyHash,
+	c.cfg.Logger.Info("console: action", "action", e.Action, "who", e.Who, "from", e.From, "key_hash", e.KeyHash,
 		"before", e.Before, "after", e.After, "err", e.Error)
 	if err := c.cfg.Audit.Write(e); err != nil {
 		c.cfg.Logger.Error("console: the audit log could not be written", "action", e.Action, "err", err)
@@ -718,6 +724,9 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case e.Error != "" && a.Name == "purge":
 		c.problem(w, http.StatusServiceUnavailable, fmt.Sprintf("%s, after %s.", e.Error, e.After))
+		return
+	case unanswered:
+		c.problem(w, http.StatusServiceUnavailable, "The store did not answer ("+e.Error+"): the action may have been done. The record, read again: "+e.After+". Look at it before acting again.")
 		return
 	case e.Error != "":
 		c.problem(w, http.StatusConflict, "Nothing was changed: "+e.Error)
@@ -758,6 +767,14 @@ func (c *Console) settle(ctx context.Context, a action) (before, after string, e
 		return before, before, errors.New("the record changed meanwhile (settled or taken over); look again")
 	case errors.Is(err, reconcile.ErrLeaseRunning), errors.Is(err, reconcile.ErrSettled):
 		return before, before, err // reconcile's own words: the state, or when the lease ends
+	case errors.Is(err, idem.ErrUnavailable):
+		// Its write may have landed with the answer lost: say what the
+		// record is now, not that nothing changed.
+		after := "not known: reading it back failed"
+		if now, gerr := eng.Get(ctx, a.Scope, a.Key); gerr == nil {
+			after = describe(now)
+		}
+		return before, after, fmt.Errorf("%w", idem.ErrUnavailable)
 	case err != nil:
 		return before, before, errors.New(errorText(err))
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -75,6 +76,7 @@ func (w *world) unknown(t *testing.T, key string) idem.Record {
 	if err := w.eng.MarkUnknown(ctx, out.Lease); err != nil {
 		t.Fatal(err)
 	}
+	w.clock.Advance(reconcile.DefaultGrace) // its owner's grace has passed: an operator may resolve it
 	return w.get(t, key)
 }
 
@@ -373,6 +375,7 @@ func TestMask(t *testing.T) {
 	if err := w.eng.MarkUnknown(ctx, out.Lease); err != nil {
 		t.Fatal(err)
 	}
+	w.clock.Advance(reconcile.DefaultGrace) // its owner's grace has passed: an operator may resolve it
 	w.completed(t, "other-4242", "pan=4242424242424242")
 	_, list := w.page(t, "/console/records")
 	link := regexp.MustCompile(`href="(/console/record\?ref=[^"]+)"`).FindAllStringSubmatch(list, -1)
@@ -523,5 +526,86 @@ func TestCountsOnALargeStore(t *testing.T) {
 	_, js := w.page(t, "/console/api/overview")
 	if !strings.Contains(js, `"capped":true`) || !strings.Contains(js, `"unknown":3`) || !strings.Contains(js, `"stale":3`) {
 		t.Errorf("overview of 10,053 records = %s; want capped, with the 3 unknown ones counted", js)
+	}
+}
+
+// TestResolveWaitsForTheOwnersGrace: a record a client's retry has just
+// turned UNKNOWN (its lease a second over) is not offered for resolving,
+// and an action on it is refused, for the reconciler's grace: its owner may
+// still store the true outcome. (It was resolved at once, and the next
+// retry ran the request again.)
+func TestResolveWaitsForTheOwnersGrace(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	ctx := context.Background()
+	fp := idem.Fingerprint("v1.a.b.c.d")
+	out, err := w.eng.Begin(ctx, idem.BeginParams{Key: "run", Fingerprint: fp})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	w.clock.Advance(31 * time.Second)
+	if o, _ := w.eng.Begin(ctx, idem.BeginParams{Key: "run", Fingerprint: fp}); o.Decision != idem.Uncertain { // a client's retry
+		t.Fatal(o.Decision)
+	}
+	if _, page := w.page(t, "/console/record?key=run"); strings.Contains(page, `value="resolve_failed"`) || !strings.Contains(page, `id="resolve-wait"`) {
+		t.Fatalf("the record page offers to resolve a record within its owner's grace, or does not say when it can:\n%s", page)
+	}
+	if code, _ := w.post(t, "/console/act", resolveForm(w.get(t, "run"), "resolve_failed"), nil); code != http.StatusConflict {
+		t.Fatalf("resolve_failed a second after the lease ended: %d; want 409", code)
+	}
+	if err := w.eng.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("done")}); err != nil {
+		t.Fatalf("the owner's late outcome: %v", err)
+	}
+}
+
+// lossyStore applies a Finish and then says the store did not answer.
+type lossyStore struct{ idem.Store }
+
+func (s lossyStore) Finish(ctx context.Context, p store.FinishParams) error {
+	if err := s.Store.Finish(ctx, p); err != nil {
+		return err
+	}
+	return fmt.Errorf("%w: the answer was lost", idem.ErrUnavailable)
+}
+
+// TestLostAnswerIsNotNothingChanged: an action whose write landed but whose
+// answer was lost is not reported (nor audited) as "nothing was changed":
+// the console reads the record again and says what it is now.
+func TestLostAnswerIsNotNothingChanged(t *testing.T) {
+	ctx := context.Background()
+	clock := storetest.NewClock(time.Now().UTC().Truncate(time.Second))
+	mem := memstore.New()
+	eng, err := idem.New(idem.Config{Store: lossyStore{mem}, Clock: clock, Lease: 30 * time.Second, CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	audit := filepath.Join(t.TempDir(), "audit.log")
+	a, err := console.OpenAudit(audit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := console.New(console.Config{Engine: eng, Token: token, Audit: a, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(c)
+	defer srv.Close()
+	w := &world{eng: eng, clock: clock, srv: srv, audit: audit}
+	out, err := eng.Begin(ctx, idem.BeginParams{Key: "u", Fingerprint: "v1.a.b.c.d"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mem.Finish(ctx, store.FinishParams{Key: "u", Token: out.Lease.Token, Now: clock.Now(), State: idem.StateUnknown}); err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(reconcile.DefaultGrace)
+	code, body := w.post(t, "/console/act", resolveForm(w.get(t, "u"), "resolve_failed"), nil)
+	if got := w.get(t, "u"); got.State != idem.StateFailed {
+		t.Fatalf("the record is %s; the test needs the write to have landed", got.State)
+	}
+	if code != http.StatusServiceUnavailable || strings.Contains(body, "Nothing was changed") || !strings.Contains(body, "failed, fence 1") {
+		t.Fatalf("%d %s; want a 503 that says the action may have been done, and the record as it is now", code, body)
+	}
+	if entries := w.entries(t); len(entries) != 1 || !strings.Contains(entries[0], `"after":"failed, fence 1"`) {
+		t.Fatalf("audit %q; want the record as it is after the action", entries)
 	}
 }
