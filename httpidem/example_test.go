@@ -84,7 +84,11 @@ func ExampleFinish() {
 			return
 		}
 		defer tx.Rollback()
-		tx.ExecContext(r.Context(), `INSERT INTO ledger VALUES ('cus_1', -100)`)
+		if _, err := tx.ExecContext(r.Context(), `INSERT INTO ledger VALUES ('cus_1', -100)`); err != nil {
+			httpidem.NothingHappened(r) // the debit was not written: the retry may run
+			http.Error(w, "try again", http.StatusServiceUnavailable)
+			return
+		}
 		resp := &idem.Response{Status: http.StatusCreated, Body: []byte(`{"debited":100}`)}
 		if err := httpidem.Finish(w, r, resp, func(p idem.FinishParams) error {
 			if err := store.FinishTx(r.Context(), tx, p); err != nil {
