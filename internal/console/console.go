@@ -56,8 +56,9 @@ type Config struct {
 	Token string
 	// ReadOnly serves the console without any action, token or not.
 	ReadOnly bool
-	// Mask hides keys (only their first characters are shown) and stored
-	// bodies.
+	// Mask hides keys (only their first characters are shown), stored
+	// bodies, header values and checkpoint data, from pages and links; the
+	// listing then has no key filter.
 	Mask bool
 	// Audit is where actions are written; nil keeps them in memory.
 	Audit *Audit
@@ -360,9 +361,14 @@ const pageSize = 50
 
 func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	f := filter{State: q.Get("state"), Scope: q.Get("scope"), Key: q.Get("key"), Since: q.Get("since"), Until: q.Get("until"), Cursor: q.Get("cursor")}
+	f := filter{State: q.Get("state"), Scope: q.Get("scope"), Key: q.Get("key"), Since: q.Get("since"), Until: q.Get("until")}
 	d := recordsData{Filter: f, States: []string{"", "stale", "in_progress", "unknown", "completed", "failed"}, Now: c.cfg.Engine.Now()}
-	res, err := c.list(r.Context(), f)
+	var err error
+	f.Cursor, err = c.cursorOf(q.Get("cursor"))
+	var res idem.ScanResult
+	if err == nil {
+		res, err = c.list(r.Context(), f)
+	}
 	switch {
 	case errors.Is(err, errBadFilter):
 		d.Error = err.Error()
@@ -375,7 +381,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 	}
 	d.Records = res.Records
 	if res.Cursor != "" {
-		d.Next = query("state", f.State, "scope", f.Scope, "key", f.Key, "since", f.Since, "until", f.Until, "cursor", res.Cursor)
+		d.Next = query("state", f.State, "scope", f.Scope, "key", f.Key, "since", f.Since, "until", f.Until, "cursor", c.sealed(res.Cursor))
 	}
 	c.render(w, http.StatusOK, "records", d)
 }
@@ -388,6 +394,10 @@ func (c *Console) list(ctx context.Context, f filter) (idem.ScanResult, error) {
 	now := eng.Now()
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s", errBadFilter, fmt.Sprintf(format, args...))
+	}
+	if c.cfg.Mask && f.Key != "" {
+		// A key prefix answered one character at a time would give keys away.
+		return idem.ScanResult{}, bad("keys are masked here: find a record by its key with idem keys show")
 	}
 	if f.State == "stale" {
 		if f.Scope != "" || f.Key != "" || f.Since != "" || f.Until != "" {
@@ -815,13 +825,48 @@ func sameOrigin(r *http.Request) bool {
 // ref names a record in a form: its scope and key, opaque; when keys are
 // masked, sealed for this process, so that no key is in a page's source.
 func (c *Console) ref(scope, key string) string {
-	plain := []byte(scope + "\x00" + key)
+	plain := scope + "\x00" + key
 	if !c.cfg.Mask {
-		return base64.RawURLEncoding.EncodeToString(plain)
+		return base64.RawURLEncoding.EncodeToString([]byte(plain))
+	}
+	return c.sealed(plain)
+}
+
+// sealed is plain as it may go into a page when keys are masked: sealed
+// for this process (a store's cursor holds the key it resumes after).
+// Unmasked, it is plain.
+func (c *Console) sealed(plain string) string {
+	if !c.cfg.Mask || plain == "" {
+		return plain
 	}
 	nonce := make([]byte, c.seal.NonceSize())
 	rand.Read(nonce)
-	return base64.RawURLEncoding.EncodeToString(c.seal.Seal(nonce, nonce, plain, nil))
+	return base64.RawURLEncoding.EncodeToString(c.seal.Seal(nonce, nonce, []byte(plain), nil))
+}
+
+// unseal reads what sealed made of a text, when keys are masked.
+func (c *Console) unseal(s string) (string, bool) {
+	b, err := base64.RawURLEncoding.DecodeString(s)
+	n := c.seal.NonceSize()
+	if err != nil || len(b) < n {
+		return "", false
+	}
+	if b, err = c.seal.Open(nil, b[:n], b[n:], nil); err != nil {
+		return "", false
+	}
+	return string(b), true
+}
+
+// cursorOf reads a listing's cursor from a page link (see sealed).
+func (c *Console) cursorOf(s string) (string, error) {
+	if !c.cfg.Mask || s == "" {
+		return s, nil
+	}
+	plain, ok := c.unseal(s)
+	if !ok {
+		return "", fmt.Errorf("%w: the page link is not this console's (it may have restarted): list again", errBadFilter)
+	}
+	return plain, nil
 }
 
 // link is the query that opens a record's page: its scope and key, or,
@@ -841,20 +886,19 @@ func (c *Console) recordOf(v url.Values) (scope, key string, ok bool) {
 	if ref == "" {
 		return v.Get("scope"), v.Get("key"), !c.cfg.Mask && v.Has("key")
 	}
-	b, err := base64.RawURLEncoding.DecodeString(ref)
-	if err != nil {
-		return "", "", false
-	}
+	var plain string
 	if c.cfg.Mask {
-		n := c.seal.NonceSize()
-		if len(b) < n {
+		if plain, ok = c.unseal(ref); !ok {
 			return "", "", false
 		}
-		if b, err = c.seal.Open(nil, b[:n], b[n:], nil); err != nil {
+	} else {
+		b, err := base64.RawURLEncoding.DecodeString(ref)
+		if err != nil {
 			return "", "", false
 		}
+		plain = string(b)
 	}
-	scope, key, ok = strings.Cut(string(b), "\x00")
+	scope, key, ok = strings.Cut(plain, "\x00")
 	return scope, key, ok
 }
 

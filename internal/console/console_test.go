@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"encoding/base64"
 	"fmt"
 	"html"
 	"io"
@@ -607,5 +608,37 @@ func TestLostAnswerIsNotNothingChanged(t *testing.T) {
 	}
 	if entries := w.entries(t); len(entries) != 1 || !strings.Contains(entries[0], `"after":"failed, fence 1"`) {
 		t.Fatalf("audit %q; want the record as it is after the action", entries)
+	}
+}
+
+// TestMaskedPagingAndFilter: with keys masked, the listing's next-page link
+// holds no key (a store's cursor names the key it resumes after; it was in
+// the link, whole) and still pages, and the key filter, which answered one
+// prefix at a time, is refused.
+func TestMaskedPagingAndFilter(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token, Mask: true})
+	for i := range 51 {
+		w.completed(t, fmt.Sprintf("card-4242-secret-%02d", i), "x")
+	}
+	_, list := w.page(t, "/console/records")
+	next := regexp.MustCompile(`href="(/console/records\?[^"]+)" rel="next"`).FindStringSubmatch(list)
+	if next == nil {
+		t.Fatalf("no next page link in:\n%s", list)
+	}
+	link := html.UnescapeString(next[1])
+	u, _ := url.Parse(link)
+	raw, _ := base64.RawURLEncoding.DecodeString(u.Query().Get("cursor"))
+	if strings.Contains(link, "secret") || strings.Contains(string(raw), "secret") {
+		t.Fatalf("the next-page link holds a key: %s (%q)", link, raw)
+	}
+	code, page2 := w.page(t, link)
+	if code != http.StatusOK || !strings.Contains(page2, "1 record(s) on this page") {
+		t.Fatalf("the next page: %d\n%s", code, page2)
+	}
+	if code, _ := w.page(t, "/console/records?key=card-4242-secret-5"); code != http.StatusBadRequest {
+		t.Fatalf("a key filter on a masked console: %d; want 400", code)
+	}
+	if _, list := w.page(t, "/console/records"); strings.Contains(list, `name="key"`) {
+		t.Fatal("a masked console offers a key filter")
 	}
 }
