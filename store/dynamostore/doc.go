@@ -140,9 +140,12 @@
 // store keeps every record within it by fixed budgets: a response body of
 // at most [MaxBodyBytes] (350 KiB; [Store.MaxBody] reports it, and Finish
 // with a larger body stores the response with BodyOmitted, never failing
-// for it), a response without its body of at most [MaxHeaderBytes] (16 KiB
-// encoded: status and headers; more fails with [store.ErrInvalid] before
-// anything is written), checkpoints of at most [MaxCheckpointBytes] (32 KiB;
+// for it), a response without its body of [MaxHeaderBytes] (16 KiB
+// encoded: status and headers; the response as a whole shares the room of
+// both, so larger headers are kept and the body is omitted when it no
+// longer fits beside them; only status and headers of more than both fail,
+// with [store.ErrInvalid], before anything is written), checkpoints of at
+// most [MaxCheckpointBytes] (32 KiB;
 // a checkpoint past it fails with [store.ErrInvalid] and is not written),
 // and at most 2 KiB for everything else, names included, with the longest
 // scope, key, fingerprint and token. The tests fill a record to every
@@ -164,12 +167,19 @@
 //
 // Errors are translated at the store's edge: a condition that fails because
 // the token no longer owns the record gives [store.ErrLeaseLost], a missing
-// or expired record [store.ErrNotFound]; a failure to reach DynamoDB or to
-// read its answer (refused or broken connections, timeouts, a deadline that
-// ran out), throttling (ProvisionedThroughputExceeded, ThrottlingException,
-// RequestLimitExceeded), a 5xx answer, and a transaction holding the item
-// wrap [store.ErrUnavailable]; a table that does not exist wraps
-// [ErrTableNotFound]. A cancelled context stays recognisable with
+// or expired record [store.ErrNotFound]; a table that does not exist wraps
+// [ErrTableNotFound], an item over 400 KB [store.ErrInvalid], and another
+// malformed request (ValidationException, SerializationException) is
+// returned as it is: these are DynamoDB's verdicts on the request itself.
+// Every other error wraps [store.ErrUnavailable]: a failure to reach
+// DynamoDB or to read its answer (refused or broken connections, timeouts,
+// a deadline that ran out), throttling (ProvisionedThroughputExceeded,
+// ThrottlingException, RequestLimitExceeded and the like), a 5xx answer, a
+// transaction holding the item, denied or expired credentials, and a
+// credential source that failed before the request could be signed (STS
+// throttling, an identity provider out of reach), whatever its code: the
+// same request may succeed later, so the engine keeps an outcome it could
+// not store rather than drop it. A cancelled context stays recognisable with
 // errors.Is(err, context.Canceled) and is not ErrUnavailable. The SDK's
 // error stays in the chain for logs, but no SDK type is part of the API.
 //

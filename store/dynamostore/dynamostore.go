@@ -334,9 +334,11 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 // or FAILED record gets its expiry and the ttl attribute, and leaves the
 // stale-record index (its index attributes are removed). A response body
 // over [MaxBodyBytes] is not stored: the response is stored with
-// BodyOmitted. A response whose status and headers take more than
-// [MaxHeaderBytes] encoded fails with an error wrapping [store.ErrInvalid]
-// before anything is written.
+// BodyOmitted. The response as a whole, status and headers encoded and
+// body, has the room of both [MaxHeaderBytes] and [MaxBodyBytes]: a body
+// that does not fit beside large headers is omitted the same way, and only
+// a response whose status and headers alone take more fails, with an error
+// wrapping [store.ErrInvalid], before anything is written.
 //
 // A record marked UNKNOWN stays in the index, scored at the earlier of its
 // score and p.Now, so that a scan finds it at once: one round trip when
@@ -358,9 +360,18 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 		if meta, body, err = encodeResponse(&resp); err != nil {
 			return fmt.Errorf("dynamostore: finish: %w", err)
 		}
-		if len(meta) > MaxHeaderBytes {
+		if len(meta)+len(body) > maxResponseBytes && len(body) > 0 {
+			// Headers over MaxHeaderBytes took the body's room: keep the
+			// outcome without it. The choice depends on the response
+			// alone, so a repeat of this Finish finds what it wrote.
+			resp.Body, resp.BodyOmitted = nil, true
+			if meta, body, err = encodeResponse(&resp); err != nil {
+				return fmt.Errorf("dynamostore: finish: %w", err)
+			}
+		}
+		if len(meta) > maxResponseBytes {
 			return fmt.Errorf("dynamostore: finish: %w: the response's status and headers take %d bytes encoded, over the %d an item keeps",
-				store.ErrInvalid, len(meta), MaxHeaderBytes)
+				store.ErrInvalid, len(meta), maxResponseBytes)
 		}
 	}
 	if err := ctx.Err(); err != nil {

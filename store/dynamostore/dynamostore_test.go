@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -18,6 +19,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
+	"github.com/aws/smithy-go"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/store"
@@ -373,15 +375,7 @@ func TestUnavailable(t *testing.T) {
 	ln.Close()
 
 	hang := hangingServer(t)
-	answer := func(status int, typ string) string {
-		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "application/x-amz-json-1.0")
-			w.WriteHeader(status)
-			fmt.Fprintf(w, `{"__type":"com.amazonaws.dynamodb.v20120810#%s","message":"test"}`, typ)
-		}))
-		t.Cleanup(srv.Close)
-		return srv.URL
-	}
+	answer := func(status int, typ string) string { return answering(t, status, typ) }
 	now := t0
 	ops := map[string]func(context.Context, *Store) error{
 		"acquire": func(ctx context.Context, s *Store) error {
@@ -440,6 +434,89 @@ func TestUnavailable(t *testing.T) {
 		}
 		if c.n.Load() == 0 {
 			t.Errorf("%s: no request sent", name)
+		}
+	}
+}
+
+// answering returns the URL of a server that answers every request with
+// status and an error of type typ, as DynamoDB does.
+func answering(t *testing.T, status int, typ string) string {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/x-amz-json-1.0")
+		w.WriteHeader(status)
+		fmt.Fprintf(w, `{"__type":"com.amazonaws.dynamodb.v20120810#%s","message":"test"}`, typ)
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// stsDown is a credentials source whose refresh fails as STS's does when
+// it throttles, cannot reach the identity provider, or finds the web
+// identity token expired (AssumeRoleWithWebIdentity under EKS IRSA, say).
+type stsDown struct{ code string }
+
+func (p stsDown) Retrieve(context.Context) (aws.Credentials, error) {
+	return aws.Credentials{}, &smithy.OperationError{ServiceID: "STS", OperationName: "AssumeRoleWithWebIdentity",
+		Err: &smithy.GenericAPIError{Code: p.code, Message: "test", Fault: smithy.FaultClient}}
+}
+
+// TestOutageCodesUnavailable: every answer that is not a verdict on the
+// request itself wraps idem.ErrUnavailable, so that the engine keeps an
+// outcome it could not store for later rather than drop it: a credential
+// source that fails before the request is signed (whatever its code), and
+// DynamoDB codes of throttling, timeouts and denied or expired credentials
+// beyond the few TestUnavailable names. A verdict (a malformed request)
+// stays final.
+func TestOutageCodesUnavailable(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() }) // accepts nothing: no request may reach it
+	complete := idem.FinishParams{Key: "k", Token: tokA, Now: t0, State: idem.StateCompleted, Response: okResponse("x"),
+		Expires: t0.Add(time.Hour), Repeat: true}
+	for _, code := range []string{"Throttling", "IDPCommunicationError", "ExpiredTokenException", "InvalidIdentityToken"} {
+		client, c := newClient("http://"+ln.Addr().String(), func(o *dynamodb.Options) {
+			o.Credentials = aws.NewCredentialsCache(stsDown{code})
+			o.Retryer = aws.NopRetryer{}
+		})
+		s, err := New(Config{Client: client, Table: "idem_unreachable"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Finish(ctx, complete)
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Errorf("credentials failing with %s: Finish: %v, want ErrUnavailable", code, err)
+		}
+		if n := c.n.Load(); n != 0 {
+			t.Errorf("credentials failing with %s: %d requests sent", code, n)
+		}
+	}
+	for code, want := range map[string]bool{
+		"Throttling":                  true,
+		"TooManyRequestsException":    true,
+		"RequestTimeout":              true,
+		"RequestTimeoutException":     true,
+		"LimitExceededException":      true,
+		"SlowDown":                    true,
+		"ExpiredTokenException":       true,
+		"UnrecognizedClientException": true,
+		"AccessDeniedException":       true,
+		"ValidationException":         false,
+		"SerializationException":      false,
+	} {
+		client, c := newClient(answering(t, 400, code), func(o *dynamodb.Options) { o.Retryer = aws.NopRetryer{} })
+		s, err := New(Config{Client: client, Table: "idem_unreachable"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Finish(ctx, complete)
+		if errors.Is(err, idem.ErrUnavailable) != want || err == nil {
+			t.Errorf("%s: Finish: %v, want ErrUnavailable %v", code, err, want)
+		}
+		if c.n.Load() == 0 {
+			t.Errorf("%s: no request sent", code)
 		}
 	}
 }
@@ -569,9 +646,9 @@ func TestItemSizeLimits(t *testing.T) {
 		t.Fatalf("Get: %d checkpoints, %v; want %d", len(got.Checkpoints), err, stored)
 	}
 
-	// Headers over the limit, or over the whole item's: ErrInvalid from the
-	// store, not the server's error, and nothing sent.
-	for _, size := range []int{MaxHeaderBytes, 450 << 10} {
+	// Headers over the whole item's limit: ErrInvalid from the store, not
+	// the server's error, and nothing sent.
+	for _, size := range []int{450 << 10} {
 		big := &idem.Response{Status: 200, Header: http.Header{"X-Big": {strings.Repeat("h", size)}}, Body: []byte("x")}
 		before := c.n.Load()
 		err = s.Finish(ctx, idem.FinishParams{Scope: scope, Key: key, Token: tok, Now: now, State: idem.StateCompleted, Response: big, Expires: now.Add(time.Hour)})
@@ -625,6 +702,85 @@ func TestItemSizeLimits(t *testing.T) {
 	}
 	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "huge", Now: now}); err != nil || !got.Response.BodyOmitted || got.Response.Body != nil {
 		t.Fatalf("Get = %+v, %v; want the body omitted", got.Response, err)
+	}
+}
+
+// TestLargeHeadersKeepOutcome: a response whose status and headers take
+// more than MaxHeaderBytes is still stored, the item budgeted as a whole:
+// with its body when status, headers and body fit in MaxHeaderBytes +
+// MaxBodyBytes together, with the body omitted when they do not (and a
+// repeat of that Finish lands); DynamoDB's limit holds on a record with
+// checkpoints at their limit.
+func TestLargeHeadersKeepOutcome(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, nil, 0)
+	now := t0
+	withHeaders := func(n int, body []byte) *idem.Response {
+		resp := &idem.Response{Status: 200, Header: http.Header{"X-Big": {""}}, Body: body}
+		meta, _, _ := encodeResponse(resp)
+		resp.Header["X-Big"][0] = strings.Repeat("h", n-len(meta))
+		if meta, _, _ = encodeResponse(resp); len(meta) != n {
+			t.Fatalf("meta is %d bytes, want %d", len(meta), n)
+		}
+		return resp
+	}
+	complete := func(key string, resp *idem.Response, repeat bool) error {
+		return s.Finish(ctx, idem.FinishParams{Scope: "s", Key: key, Token: tokA, Now: now, State: idem.StateCompleted,
+			Response: resp, Expires: now.Add(time.Hour), Repeat: repeat})
+	}
+
+	// Checkpoints at their limit, then headers of 100 KiB and a body that
+	// fills the response's budget to the byte: all kept, within 400 KB.
+	acquire(t, s, "s", "full", tokA, now, false)
+	for i := 0; ; i++ {
+		err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "full", Token: tokA, Now: now.Add(time.Duration(i) * time.Millisecond),
+			Name: strings.Repeat("n", store.MaxCheckpointName), Data: []byte(strings.Repeat("\x00", store.MaxCheckpointData))})
+		if errors.Is(err, idem.ErrInvalid) {
+			break
+		}
+		if err != nil || i > 100 {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+	}
+	resp := withHeaders(100<<10, nil)
+	resp.Body = []byte(strings.Repeat("b", MaxBodyBytes+MaxHeaderBytes-(100<<10)))
+	if err := complete("full", resp, false); err != nil {
+		t.Fatalf("Finish with 100 KiB of headers and a body that fits beside them: %v", err)
+	}
+	if size := itemSize(rawItem(t, s, "s", "full")); size > itemSizeLimit {
+		t.Fatalf("the item is %d bytes, over DynamoDB's %d", size, itemSizeLimit)
+	}
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "full", Now: now}); err != nil || !got.Response.Equal(resp) {
+		t.Fatalf("Get = %v; want the response whole", err)
+	}
+
+	// Headers over MaxHeaderBytes, a small body: kept whole.
+	acquire(t, s, "s", "small", tokA, now, false)
+	small := withHeaders(MaxHeaderBytes+1, []byte("x"))
+	if err := complete("small", small, false); err != nil {
+		t.Fatalf("Finish with %d bytes of headers: %v", MaxHeaderBytes+1, err)
+	}
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "small", Now: now}); err != nil || !got.Response.Equal(small) {
+		t.Fatalf("Get = %v; want the response whole", err)
+	}
+
+	// Headers over MaxHeaderBytes and a body of MaxBodyBytes: stored with
+	// the body omitted; the same Finish repeated lands, another does not.
+	acquire(t, s, "s", "omit", tokA, now, false)
+	big := withHeaders(MaxHeaderBytes+1, []byte(strings.Repeat("b", MaxBodyBytes)))
+	if err := complete("omit", big, false); err != nil {
+		t.Fatalf("Finish with %d bytes of headers and a body of %d: %v", MaxHeaderBytes+1, MaxBodyBytes, err)
+	}
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "omit", Now: now})
+	if err != nil || got.State != idem.StateCompleted || !got.Response.BodyOmitted || got.Response.Body != nil ||
+		!slices.Equal(got.Response.Header["X-Big"], big.Header["X-Big"]) {
+		t.Fatalf("Get = %v; want the response with its headers and the body omitted", err)
+	}
+	if err := complete("omit", big, true); err != nil {
+		t.Fatalf("the Finish repeated: %v, want it to land", err)
+	}
+	if err := complete("omit", big, false); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the Finish sent again, not as a repeat: %v, want ErrLeaseLost", err)
 	}
 }
 

@@ -30,24 +30,31 @@ type httpStatusError interface {
 	HTTPStatusCode() int
 }
 
-// unavailableCodes are the error codes of a DynamoDB that is overloaded,
-// throttling, or failing: the operation may be retried later.
-var unavailableCodes = map[string]bool{
-	"ProvisionedThroughputExceededException": true,
-	"ThrottlingException":                    true,
-	"RequestLimitExceeded":                   true,
-	"InternalServerError":                    true,
-	"ServiceUnavailable":                     true,
-	"TransactionConflictException":           true, // a transaction holds the item
-	"ReplicatedWriteConflictException":       true, // a global table's replica is writing it
+// finalCodes are the error codes of DynamoDB's verdicts on a request
+// itself: sent again unchanged, it would get the same answer, so it is not
+// a failure of the store to serve it. Every other answer (throttling,
+// overload, a 5xx, a transaction or replica holding the item, denied or
+// expired credentials, a credential source that failed before the request
+// could be signed) says nothing about the request and wraps
+// [store.ErrUnavailable]: DynamoDB's and STS's lists of codes grow, and a
+// code taken for a verdict by mistake drops an outcome that the engine
+// would have kept for later.
+var finalCodes = map[string]bool{
+	"ValidationException":                      true, // a malformed request, or an item over 400 KB
+	"SerializationException":                   true, // a malformed request
+	"ResourceNotFoundException":                true, // no such table: ErrTableNotFound
+	"ConditionalCheckFailedException":          true, // the condition is false; callers read the item
+	"ItemCollectionSizeLimitExceededException": true, // a local index's 10 GB (the table has none)
 }
 
 // translate turns an SDK error into the vocabulary of package idem at the
-// store's edge. A failure to reach DynamoDB or to get its answer, and a
-// DynamoDB that throttles or fails (5xx), wraps [store.ErrUnavailable]; a
-// missing table wraps [ErrTableNotFound]; an item over DynamoDB's size limit
-// wraps [store.ErrInvalid]. The SDK's error stays in the chain, for logs and
-// for errors.Is with context.Canceled and context.DeadlineExceeded.
+// store's edge. An answer that is DynamoDB's verdict on the request itself
+// (finalCodes) is final: a missing table wraps [ErrTableNotFound], an item
+// over DynamoDB's size limit wraps [store.ErrInvalid]. Anything else — a
+// failure to reach DynamoDB or to get its answer, a DynamoDB that throttles
+// or fails, credentials that cannot be had — wraps [store.ErrUnavailable].
+// The SDK's error stays in the chain, for logs and for errors.Is with
+// context.Canceled and context.DeadlineExceeded.
 func (s *Store) translate(op string, err error) error {
 	return translate(s.table, op, err)
 }
@@ -70,9 +77,13 @@ func translate(table, op string, err error) error {
 	return fmt.Errorf("dynamostore: %s: %w", op, err)
 }
 
-// unavailable reports whether err means that DynamoDB could not be reached,
-// did not answer, or answered that it cannot serve the request now, so that
-// the outcome of the call is not known.
+// unavailable reports whether err leaves the outcome of the call unknown
+// or the call undone for a reason that may pass: anything but an answer
+// from DynamoDB that is a verdict on the request itself (finalCodes). That
+// covers the failures to send the request or to read its answer (no API
+// error in the chain), the codes of a DynamoDB that throttles or fails, and
+// those of a credential source (STS throttling, an identity provider out
+// of reach, expired credentials), whose error the SDK wraps in the call's.
 func unavailable(err error) bool {
 	if errors.Is(err, context.DeadlineExceeded) {
 		return true
@@ -83,7 +94,7 @@ func unavailable(err error) bool {
 	}
 	var api apiError
 	if errors.As(err, &api) {
-		return unavailableCodes[api.ErrorCode()]
+		return !finalCodes[api.ErrorCode()]
 	}
 	// Not an answer from DynamoDB: the request could not be sent, the
 	// connection broke, or the answer could not be read.

@@ -44,16 +44,23 @@ const (
 	// MaxBodyBytes is the largest response body kept (see [Store.MaxBody]):
 	// a larger one is stored as omitted.
 	MaxBodyBytes = 350 << 10
-	// MaxHeaderBytes is the most a response without its body may take once
-	// encoded (status and headers, by [store.Response.MarshalBinary]). A
-	// Finish with more fails with an error wrapping [store.ErrInvalid],
-	// before anything is written.
+	// MaxHeaderBytes is the room an item keeps for a response without its
+	// body once encoded (status and headers, by
+	// [store.Response.MarshalBinary]) beside a body of [MaxBodyBytes]. A
+	// response may take more: its status, headers and body share the room
+	// of both, so larger headers leave less for the body, which is stored
+	// as omitted when it does not fit. A Finish whose status and headers
+	// alone take more than MaxHeaderBytes + MaxBodyBytes fails with an
+	// error wrapping [store.ErrInvalid], before anything is written.
 	MaxHeaderBytes = 16 << 10
 	// MaxCheckpointBytes is the most a record's checkpoints may take, counted
 	// as the sum of their encoded lines ([store.AppendCheckpoint]) plus one
 	// byte each. A Checkpoint that would pass it fails with an error
 	// wrapping [store.ErrInvalid], and nothing is written.
 	MaxCheckpointBytes = 32 << 10
+	// maxResponseBytes is the room of a response: its encoded status and
+	// headers plus its body.
+	maxResponseBytes = MaxHeaderBytes + MaxBodyBytes
 	// fixedBytes bounds every other attribute of an item, names included:
 	// pk (at most 515 bytes), fp (255), token (64), state and ten numbers.
 	fixedBytes = 2 << 10
