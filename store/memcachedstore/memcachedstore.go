@@ -161,9 +161,17 @@
 // [Store.MaxBody] is [Config.MaxItem] less [BodyReserve] (64 KiB for the
 // record's other fields, headers and checkpoints), and Finish stores an
 // outcome whose body is larger with the body omitted
-// (Response.BodyOmitted), never failing for it. A record that is still too
-// large (headers or checkpoints of more than the reserve) fails with an
-// error wrapping [store.ErrInvalid] before anything is written.
+// (Response.BodyOmitted), never failing for it. Checkpoints may take more
+// than the reserve, up to the item size limit less 16 KiB kept for the
+// outcome's status and headers (a checkpoint past it fails with
+// [store.ErrInvalid], before the step it guards, and is not written);
+// a completion whose body then does not fit beside them, or beside large
+// headers, is stored with the body omitted too, and so is one that the
+// server refuses as too large (its -I below Config.MaxItem). The choice
+// is made on the record alone, so a repeat of the Finish finds what the
+// first wrote. Only a record too large without its body (headers of
+// about the item size limit) fails, with an error wrapping
+// [store.ErrInvalid], before anything is written.
 //
 // # Errors and contexts
 //
@@ -288,7 +296,10 @@ type Config struct {
 	Shards int
 	// MaxItem is the server's item size limit in bytes (memcached -I),
 	// [MinMaxItem] to [MaxMaxItem]. It must not be larger than the server's:
-	// records are checked against it before they are written. Defaults to
+	// records are checked against it before they are written, and [Store.MaxBody]
+	// derives from it. (When it is, a completion the server refuses is
+	// stored with its body omitted, two round trips later, and other
+	// writes it refuses fail with [store.ErrInvalid].) Defaults to
 	// [DefaultMaxItem].
 	MaxItem int
 }
@@ -361,15 +372,33 @@ func (s *Store) MaxBody() int { return s.maxItem - BodyReserve }
 // recordKey is the Memcached key of the record whose hash is h.
 func (s *Store) recordKey(h string) string { return s.prefix + ":r:" + h }
 
+// responseRoom is the room a running record keeps in its item for the
+// status and headers of its outcome: a checkpoint that would leave less
+// fails, so that checkpoints never take the room a completion needs (its
+// body is omitted when that is what does not fit).
+const responseRoom = 16 << 10
+
 // fits reports whether an item of key and value is within the item size
 // limit.
 func (s *Store) fits(key string, value []byte) bool {
-	return len(value)+len(key)+itemOverhead <= s.maxItem
+	return fitsIn(key, value, s.maxItem)
 }
 
-func (s *Store) tooLarge(op, key string, value []byte) error {
-	return fmt.Errorf("memcachedstore: %s: %w: the record would take %d bytes, over the item size limit of %d (Config.MaxItem); its headers or checkpoints are too large",
-		op, store.ErrInvalid, len(value)+len(key)+itemOverhead, s.maxItem)
+// fitsIn reports whether an item of key and value is within limit bytes.
+func fitsIn(key string, value []byte, limit int) bool {
+	return len(value)+len(key)+itemOverhead <= limit
+}
+
+func tooLarge(op, key string, value []byte, limit int) error {
+	return fmt.Errorf("memcachedstore: %s: %w: the record would take %d bytes, over the %d it may (Config.MaxItem, less room kept for the response while it runs); its headers or checkpoints are too large",
+		op, store.ErrInvalid, len(value)+len(key)+itemOverhead, limit)
+}
+
+// objectTooLarge reports the server's refusal of an item over its own item
+// size limit (memcached -I), which a MaxItem above it lets through. The
+// refusal of a compare-and-swap leaves the item as it was.
+func objectTooLarge(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "SERVER_ERROR object too large")
 }
 
 // maxRelative is the largest expiration Memcached reads as relative to now;
@@ -441,7 +470,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 			return store.Record{}, fmt.Errorf("memcachedstore: acquire: %w", err)
 		}
 		if !s.fits(key, value) {
-			return store.Record{}, s.tooLarge("acquire", key, value)
+			return store.Record{}, tooLarge("acquire", key, value, s.maxItem)
 		}
 		entry := addLine(h, next.Fence, next.LeaseExpires.UnixMilli())
 		if next.State == store.StateInProgress { // a lease begins: index it first
@@ -480,17 +509,19 @@ func (s *Store) Renew(ctx context.Context, p store.RenewParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
-	_, err := s.update(ctx, "renew", p.Scope, p.Key, p.Now, p.Apply)
+	_, err := s.update(ctx, "renew", p.Scope, p.Key, p.Now, s.maxItem, p.Apply, nil)
 	return err
 }
 
 // Checkpoint implements [store.Store]: gets, [store.CheckpointParams.Apply],
-// cas; 2 round trips.
+// cas; 2 round trips. A checkpoint that would leave the record's item less
+// than 16 KiB of room for the status and headers of its outcome fails with
+// an error wrapping [store.ErrInvalid], and nothing is written.
 func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
-	_, err := s.update(ctx, "checkpoint", p.Scope, p.Key, p.Now, p.Apply)
+	_, err := s.update(ctx, "checkpoint", p.Scope, p.Key, p.Now, s.maxItem-responseRoom, p.Apply, nil)
 	return err
 }
 
@@ -498,17 +529,37 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 // for COMPLETED and FAILED the removal of the lease's index entry; 3 round
 // trips (2 for UNKNOWN). A settled record gets a Memcached expiration at its
 // Expires (see the package documentation). A response body over
-// [Store.MaxBody] is stored omitted.
+// [Store.MaxBody] is stored omitted, and so is one that does not fit in
+// the item beside the record's checkpoints and the response's headers, or
+// that the server refuses as too large (its item size limit below
+// [Config.MaxItem]; the gets and cas are then made again). A repeat of such a Finish
+// ([store.FinishParams.Repeat]) finds the record stored with the body
+// omitted and lands. Only a record too large without its body fails, with
+// an error wrapping [store.ErrInvalid], and nothing is written.
 func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
 	if p.Response != nil && len(p.Response.Body) > s.MaxBody() {
-		resp := *p.Response
-		resp.Body, resp.BodyOmitted = nil, true
-		p.Response = &resp
+		p.Response = omitBody(p.Response)
 	}
-	r, err := s.update(ctx, "finish", p.Scope, p.Key, p.Now, p.Apply)
+	apply := p.Apply
+	if p.Response != nil && len(p.Response.Body) > 0 {
+		omitted := p
+		omitted.Response = omitBody(p.Response)
+		apply = func(r *store.Record) error {
+			err := p.Apply(r)
+			// p.Apply changes nothing when it fails, and omitted.Apply
+			// fails or succeeds on the same terms but for a repeat: nil
+			// then means r is this Finish, stored with its body omitted
+			// because it did not fit, and is left as it is.
+			if errors.Is(err, store.ErrLeaseLost) && omitted.Apply(r) == nil {
+				return nil
+			}
+			return err
+		}
+	}
+	r, err := s.update(ctx, "finish", p.Scope, p.Key, p.Now, s.maxItem, apply, shrinkBody)
 	if err != nil {
 		return err
 	}
@@ -521,13 +572,35 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	return nil
 }
 
+// omitBody returns resp with its body omitted.
+func omitBody(resp *store.Response) *store.Response {
+	o := *resp
+	o.Body, o.BodyOmitted = nil, true
+	return &o
+}
+
+// shrinkBody omits the body of r's response, and reports whether there was
+// one to omit.
+func shrinkBody(r *store.Record) bool {
+	if r.Response == nil || len(r.Response.Body) == 0 {
+		return false
+	}
+	r.Response = omitBody(r.Response)
+	return true
+}
+
 // update reads the record of scope and key, applies apply to it, and swaps
 // it in, reading again when another write got there first. It returns the
 // record as written. A missing record, or a foreign one, is passed to apply
-// as nil.
-func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time, apply func(*store.Record) error) (store.Record, error) {
+// as nil. A record whose item would take more than limit bytes, or that the
+// server refuses as too large, is given to shrink, when not nil, which
+// makes it smaller and reports whether it could; one that still does not
+// fit is not written, and the error wraps [store.ErrInvalid].
+func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time, limit int,
+	apply func(*store.Record) error, shrink func(*store.Record) bool) (store.Record, error) {
 	h := recordHash(scope, key)
 	mkey := s.recordKey(h)
+	serverRefused := false // the server refused the record as too large: shrink it at once
 	for range maxAttempts {
 		if err := ctx.Err(); err != nil {
 			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
@@ -553,8 +626,13 @@ func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time
 		if err != nil {
 			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
 		}
-		if !s.fits(mkey, value) {
-			return store.Record{}, s.tooLarge(op, mkey, value)
+		if (serverRefused || !fitsIn(mkey, value, limit)) && shrink != nil && shrink(&r) {
+			if value, err = encode(&r); err != nil {
+				return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+			}
+		}
+		if !fitsIn(mkey, value, limit) {
+			return store.Record{}, tooLarge(op, mkey, value, limit)
 		}
 		it.Value, it.Expiration = value, 0
 		if r.State.Terminal() {
@@ -566,6 +644,12 @@ func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time
 		err = s.client.CompareAndSwap(it)
 		if err == nil {
 			return r, nil
+		}
+		if objectTooLarge(err) && !serverRefused && shrink != nil {
+			// The server's limit is below MaxItem, and its refusal left
+			// the item as it was: read it again and write it smaller.
+			serverRefused = true
+			continue
 		}
 		if !retryable(err) {
 			return store.Record{}, translate(op, err)
@@ -611,7 +695,8 @@ func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 
 // translate turns a client error into the vocabulary of package idem: an
 // item the server refused as too large wraps [store.ErrInvalid] (Config.MaxItem
-// is above the server's limit); a malformed key or a CLIENT_ERROR reply (a
+// is above the server's limit, and the record could not be made smaller:
+// see [Store.Finish]); a malformed key or a CLIENT_ERROR reply (a
 // bug) is wrapped as it is; anything else is a failure to reach Memcached or
 // to get its answer (network errors, timeouts, no servers, SERVER_ERROR) and
 // wraps [store.ErrUnavailable].

@@ -771,8 +771,8 @@ func TestConcurrentAcquiresOneIndex(t *testing.T) {
 }
 
 // TestBodyLimit: bodies up to MaxBody are kept byte for byte, larger ones
-// are omitted, and a record still too large (headers over the reserve, or
-// too many checkpoints) fails with ErrInvalid before anything is written.
+// are omitted, and a record still too large (headers over the item, or too
+// many checkpoints) fails with ErrInvalid before anything is written.
 func TestBodyLimit(t *testing.T) {
 	t.Parallel()
 	client, cnt := countingClient(t)
@@ -831,20 +831,104 @@ func TestBodyLimit(t *testing.T) {
 }
 
 // TestServerLimitBelowMaxItem: a MaxItem above the server's item size limit
-// lets through a record the server refuses; that is ErrInvalid too, and the
-// record is left as it was.
+// lets through a record the server refuses. A completed record is then
+// stored with its body omitted (and a repeat of its Finish lands); one the
+// server refuses even so is ErrInvalid, and the record is left as it was.
 func TestServerLimitBelowMaxItem(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{MaxItem: 4 << 20})
 	ctx := context.Background()
 	r := testkit.Acquire(t, s, "s", "k", t0, time.Minute)
-	err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateCompleted,
-		Response: &idem.Response{Status: 200, Body: make([]byte, 2<<20)}, Expires: t0.Add(time.Hour)})
-	if !errors.Is(err, idem.ErrInvalid) || errors.Is(err, idem.ErrUnavailable) {
-		t.Fatalf("Finish of a record over the server's limit: %v, want ErrInvalid", err)
+	p := idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateCompleted,
+		Response: &idem.Response{Status: 200, Body: make([]byte, 2<<20)}, Expires: t0.Add(time.Hour)}
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish of a body under MaxBody but over the server's limit: %v", err)
 	}
-	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0}); err != nil || got.State != idem.StateInProgress {
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || got.State != idem.StateCompleted || !got.Response.BodyOmitted || got.Response.Body != nil || got.Response.Status != 200 {
+		t.Fatalf("after Finish: %+v, %v; want completed with the body omitted", got.Response, err)
+	}
+	p.Repeat = true
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("the Finish repeated: %v, want it to land", err)
+	}
+
+	r = testkit.Acquire(t, s, "s", "headers", t0, time.Minute)
+	err = s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "headers", Token: r.Token, Now: t0, State: idem.StateCompleted,
+		Response: &idem.Response{Status: 200, Header: http.Header{"X-Big": {strings.Repeat("h", 2<<20)}}}, Expires: t0.Add(time.Hour)})
+	if !errors.Is(err, idem.ErrInvalid) || errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Finish of headers over the server's limit: %v, want ErrInvalid", err)
+	}
+	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "headers", Now: t0}); err != nil || got.State != idem.StateInProgress {
 		t.Fatalf("after the refused Finish: %+v, %v", got, err)
+	}
+}
+
+// TestCheckpointsTakeBodyRoom: checkpoints, each within its limits, may
+// grow a record past the reserve; a completion whose body is under MaxBody
+// but no longer fits beside them is stored with the body omitted rather
+// than refused (which would lose an outcome the client saw), and a repeat
+// of that Finish lands while another does not.
+func TestCheckpointsTakeBodyRoom(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, testClient(t), Config{})
+	ctx := context.Background()
+	r := testkit.Acquire(t, s, "s", "k", t0, time.Minute)
+	data := bytes.Repeat([]byte("x"), store.MaxCheckpointData)
+	for i := range 20 { // 20 downstream calls, one checkpoint each
+		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, Name: fmt.Sprintf("call-%d", i), Data: data}); err != nil {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+	}
+	resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: bytes.Repeat([]byte("b"), s.MaxBody()-1)}
+	p := idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateCompleted, Response: resp, Expires: t0.Add(time.Hour)}
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish of a body under MaxBody after 20 checkpoints: %v", err)
+	}
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || got.State != idem.StateCompleted || !got.Response.BodyOmitted || got.Response.Body != nil ||
+		got.Response.Status != 201 || got.Response.Header.Get("Content-Type") != "application/json" || len(got.Checkpoints) != 20 {
+		t.Fatalf("after Finish: %+v, %d checkpoints, %v; want completed with the body omitted", got.Response, len(got.Checkpoints), err)
+	}
+	p.Repeat = true
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("the Finish repeated: %v, want it to land", err)
+	}
+	p.Repeat = false
+	if err := s.Finish(ctx, p); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the Finish sent again, not as a repeat: %v, want ErrLeaseLost", err)
+	}
+}
+
+// TestCheckpointsLeaveRoomForOutcome: checkpoints stop (ErrInvalid, before
+// the step they guard) while the item still has room for a completion's
+// status and headers, so that the outcome of the work they recorded can
+// always be stored, its body omitted if need be.
+func TestCheckpointsLeaveRoomForOutcome(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, testClient(t), Config{MaxItem: MinMaxItem})
+	ctx := context.Background()
+	r := testkit.Acquire(t, s, "s", "k", t0, time.Minute)
+	// Checkpoints of the largest kind until there is no room left: the
+	// last one accepted leaves less room than one of them takes.
+	data := bytes.Repeat([]byte{'"'}, store.MaxCheckpointData)
+	for i := 0; ; i++ {
+		err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, Name: strings.Repeat("n", store.MaxCheckpointName), Data: data})
+		if errors.Is(err, idem.ErrInvalid) {
+			break
+		}
+		if err != nil || i > 100 {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+	}
+	resp := &idem.Response{Status: 200, Header: http.Header{"X-Trace": {strings.Repeat("h", 8<<10)}}, Body: []byte("ok")}
+	if err := s.Finish(ctx, idem.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: idem.StateCompleted,
+		Response: resp, Expires: t0.Add(time.Hour)}); err != nil {
+		t.Fatalf("Finish with 8 KiB of headers after checkpoints up to the limit: %v", err)
+	}
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil || got.State != idem.StateCompleted || got.Response.Header.Get("X-Trace") != resp.Header.Get("X-Trace") {
+		t.Fatalf("after Finish: %v; want the record completed with its headers", err)
 	}
 }
 
