@@ -53,6 +53,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ExpiredLeaseBecomesUnknown", testExpiredLeaseBecomesUnknown},
 		{"TakeoverWhenDeclared", testTakeoverWhenDeclared},
 		{"ReplayIsByteIdentical", testReplayIsByteIdentical},
+		{"CheckpointsLeaveRoomForTheOutcome", testCheckpointsLeaveRoomForTheOutcome},
 		{"ReleaseFreesKey", testReleaseFreesKey},
 		{"MarkUnknown", testMarkUnknown},
 		{"RetentionExpiresOutcome", testRetentionExpiresOutcome},
@@ -626,6 +627,42 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 		if !out.Record.Expires.Equal(h.clock.Now().Add(retention)) {
 			t.Fatalf("expires = %v, want now + retention", out.Record.Expires)
 		}
+	}
+}
+
+// testCheckpointsLeaveRoomForTheOutcome: a lease that recorded as many
+// checkpoints as the store takes still completes with a body under the
+// store's limit; a store without room for the body keeps the outcome with
+// the body omitted (never an error: the outcome would be lost), and the
+// owner's repeat of that write lands. A store may refuse a checkpoint
+// ([idem.ErrInvalid]) once it has too many: that is before the step it
+// guards, so nothing is lost.
+func testCheckpointsLeaveRoomForTheOutcome(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
+	data := bytes.Repeat([]byte("x"), store.MaxCheckpointData)
+	for i := range 20 {
+		err := h.eng.Checkpoint(ctx, l, fmt.Sprintf("call-%d", i), data)
+		if errors.Is(err, idem.ErrInvalid) && i > 0 {
+			break // the store's cap on checkpoints
+		}
+		if err != nil {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+	}
+	now := h.clock.Now()
+	resp := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: bytes.Repeat([]byte("b"), min(store.MaxBody(h.store)-1, 1<<20))}
+	p := idem.FinishParams{Scope: "s", Key: "k", Token: l.Token, Now: now, State: idem.StateCompleted, Response: resp, Expires: now.Add(retention)}
+	if err := h.store.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish after the checkpoints, with a body under the store's limit: %v", err)
+	}
+	omitted := &idem.Response{Status: resp.Status, Header: resp.Header, BodyOmitted: true}
+	if r := h.get(t, "s", "k"); r.State != idem.StateCompleted || !(r.Response.Equal(resp) || r.Response.Equal(omitted)) {
+		t.Fatalf("record %s, body %d B, omitted %v; want completed, the body whole or omitted", r.State, len(r.Response.Body), r.Response.BodyOmitted)
+	}
+	p.Repeat = true
+	if err := h.store.Finish(ctx, p); err != nil {
+		t.Fatalf("the owner's repeat of that write: %v; want it to land", err)
 	}
 }
 
