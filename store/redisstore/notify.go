@@ -78,7 +78,7 @@ func NewNotifier(ctx context.Context, cfg NotifierConfig) (*Notifier, error) {
 	}
 	if err != nil {
 		pubsub.Close()
-		return nil, translate("subscribe", err)
+		return nil, translateServer("subscribe", err)
 	}
 	n := &Notifier{client: cfg.Client, channel: channel, pubsub: pubsub, done: make(chan struct{})}
 	go n.run(pubsub.ChannelWithSubscriptions())
@@ -101,7 +101,7 @@ func (n *Notifier) Notify(ctx context.Context, scope, key string) error {
 		return fmt.Errorf("redisstore: notify: %w", err)
 	}
 	if err := n.client.Publish(ctx, n.channel, store.KeyHash(scope, key)).Err(); err != nil {
-		return translate("notify", err)
+		return translateServer("notify", err)
 	}
 	return nil
 }

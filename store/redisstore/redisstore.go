@@ -47,9 +47,14 @@
 // remaining retention, so Redis deletes them itself and [Store.Prune] has
 // nothing to do. IN_PROGRESS and UNKNOWN records never have a TTL: they may
 // stand for a side effect nobody has accounted for yet, and the reconciler
-// needs them. Run Redis with maxmemory-policy noeviction (or a volatile-*
-// policy, which only evicts settled records): an allkeys-* policy may evict
-// a running record, and the next retry would run the work again.
+// needs them. Run Redis with maxmemory-policy noeviction, or without a
+// maxmemory: when memory fills, a volatile-* policy evicts settled records,
+// which have a TTL, within their retention (the next retry of a COMPLETED
+// one runs the work again instead of replaying it), and an allkeys-* policy
+// may evict a running record or a shard's pending set too. Under noeviction
+// a full Redis refuses writes instead, which the store reports as
+// unavailable. [Store.Durability] reports any other setting as not crash
+// safe.
 //
 // # Round trips
 //
@@ -84,10 +89,20 @@
 // the record gives [store.ErrLeaseLost], a missing or expired record
 // [store.ErrNotFound], and a failure to reach Redis or to get its answer
 // (refused or broken connections, timeouts, a closed client or exhausted
-// pool, a deadline that ran out, and the LOADING, CLUSTERDOWN, TRYAGAIN,
-// MASTERDOWN, READONLY, BUSY and max-clients replies of a server that is
-// starting, failing over or overloaded) wraps [store.ErrUnavailable]. A
-// cancelled context stays recognisable with errors.Is.
+// pool, a deadline that ran out) wraps [store.ErrUnavailable], and so does
+// a refusal of a call on records that may pass: LOADING, CLUSTERDOWN,
+// TRYAGAIN, MASTERDOWN, READONLY, BUSY, max-clients, OOM, MISCONF,
+// NOREPLICAS; MOVED and ASK once go-redis's redirections ran out; NOAUTH,
+// WRONGPASS, NOPERM; on Redis 6.2 these come wrapped in "ERR Error running
+// script". The scripts return each decision they make as a value, so a
+// script that fails on what it found (a key of another type, a damaged
+// record) is Redis's answer about that record, wrapped as it is. A
+// cancelled context stays recognisable with errors.Is, and is not
+// unavailability. The calls that are not about records
+// ([Store.Durability], the [Notifier]'s) take an error reply that refuses
+// the command (an ACL's NOPERM, a renamed command) as Redis's answer, and
+// only the replies of a server that is starting, failing over or
+// overloaded as unavailability.
 //
 // # Durability
 //
@@ -97,9 +112,15 @@
 // record lets a retry run the work a second time while the first run may
 // still be going: the exactly-once promise holds only as long as Redis keeps
 // what it acknowledged, and a failover to a replica that had not yet
-// received the last writes loses them just the same. Where a duplicate side
-// effect is unacceptable, run Redis with appendonly yes and appendfsync
-// always, or use a store backed by a database that syncs its commits.
+// received the last writes loses them just the same (replication is
+// asynchronous, and the store does not WAIT for replicas). Where a duplicate
+// side effect is unacceptable, run Redis with appendonly yes and appendfsync
+// always, maxmemory-policy noeviction (or no maxmemory) and no replicas, or
+// use a store backed by a database that syncs its commits.
+// [Store.Durability] reads these settings (INFO, and CONFIG GET for
+// appendfsync and save; when CONFIG is refused or renamed, appendfsync is
+// unknown and the server is not called crash safe) and reports a server
+// that lacks any of them, or has replicas, as not crash safe.
 //
 // # Performance
 //
@@ -1063,19 +1084,86 @@ func decode(f map[string]string) (store.Record, error) {
 	return r, nil
 }
 
-// translate turns a driver error into the vocabulary of package idem: a
-// failure to reach Redis or to get its answer wraps [store.ErrUnavailable]
-// (and still the context's error, when that was the cause); an error Redis
-// answered with is wrapped as it is, except the transient ones of a server
-// that is loading, failing over or resharding, which are unavailability too.
+// translate turns the error of a call on records (the scripts, and the
+// reads of scan, list and get) into the vocabulary of package idem. A
+// failure to reach Redis or to get its answer, and every refusal of the
+// call for a reason that may pass, wrap [store.ErrUnavailable] (and still
+// the context's error, when that was the cause): a server loading, failing
+// over, resharding, too busy or refusing writes (OOM, MISCONF, NOREPLICAS,
+// READONLY); MOVED or ASK once the client's redirections ran out; NOAUTH,
+// WRONGPASS, NOPERM; and on Redis 6.2 any of these inside a script, wrapped
+// in "ERR Error running script". The engine then keeps the outcome and
+// tries again, where another error would drop it. A script that failed on
+// what it found (a key of another type, a damaged record) is the store's
+// answer about that record, wrapped as it is: asking again gives the same
+// answer, and fail_open must not run a request whose record the store holds
+// but cannot read. The caller's cancellation is not unavailability. The
+// errors the store finds itself (invalid params, a record it cannot decode)
+// are not translated.
 func translate(op string, err error) error {
-	if unavailable(err) {
+	if unreachable(err) || refused(err) {
 		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("redisstore: %s: %w", op, err)
 }
 
-func unavailable(err error) bool {
+// refusals are the codes of Redis's error replies that refuse a call for a
+// reason that may pass, beyond those of a server that cannot serve for now
+// (see unreachable): redirections the client could not follow, and
+// authentication or permissions (a password or an ACL being rotated).
+var refusals = []string{"MOVED", "ASK", "NOAUTH", "WRONGPASS", "NOPERM"}
+
+// wrappedRefusals are the codes of the refusals that Redis 6.2 reports
+// inside a script's error, after a '-': "ERR Error running script (call to
+// f_…): @user_script:18: @user_script: 18: -OOM command not allowed…".
+var wrappedRefusals = []string{"OOM", "MISCONF", "NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN",
+	"CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "NOAUTH", "WRONGPASS", "NOPERM"}
+
+// refused reports whether err is one of Redis's refusals of a call on
+// records that may pass, beyond unreachable's: see translate.
+func refused(err error) bool {
+	var redisErr redis.Error
+	if !errors.As(err, &redisErr) {
+		return false
+	}
+	msg := redisErr.Error()
+	for _, code := range refusals {
+		if redis.HasErrorPrefix(err, code) {
+			return true
+		}
+	}
+	// A client not yet authenticated that sends a long command is cut off
+	// with this instead of NOAUTH.
+	if strings.HasPrefix(msg, "ERR Protocol error: unauthenticated") {
+		return true
+	}
+	if strings.HasPrefix(msg, "ERR Error running script") {
+		for _, code := range wrappedRefusals {
+			if strings.Contains(msg, ": -"+code+" ") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// translateServer turns the error of a call that is not about records
+// (subscribing, publishing, reading the server's settings) into the
+// vocabulary of package idem: a failure to reach Redis or to get its answer,
+// and the replies of a server that is starting, failing over or overloaded,
+// wrap [store.ErrUnavailable]; any other error Redis answers with (a command
+// that an ACL or a rename refuses) is its answer, wrapped as it is, since
+// asking again does not change it.
+func translateServer(op string, err error) error {
+	if unreachable(err) {
+		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
+	}
+	return fmt.Errorf("redisstore: %s: %w", op, err)
+}
+
+// unreachable reports whether err says that Redis could not be reached, did
+// not answer, or is for now unable to serve: see translateServer.
+func unreachable(err error) bool {
 	if errors.Is(err, context.Canceled) {
 		return false // the caller gave up; that says nothing about the store
 	}
@@ -1092,8 +1180,7 @@ func unavailable(err error) bool {
 	if errors.As(err, &redisErr) {
 		// A server loading, failing over or resharding, too busy, or up but
 		// refusing writes (out of memory under noeviction, a failed
-		// snapshot, too few replicas): a script is refused at its first
-		// write, so it wrote nothing, and a later call may succeed.
+		// snapshot, too few replicas).
 		return redis.IsLoadingError(err) || redis.IsClusterDownError(err) || redis.IsTryAgainError(err) ||
 			redis.IsMasterDownError(err) || redis.IsReadOnlyError(err) || redis.IsMaxClientsError(err) ||
 			redis.HasErrorPrefix(err, "BUSY") || redis.HasErrorPrefix(err, "OOM") ||
@@ -1106,11 +1193,24 @@ func unavailable(err error) bool {
 var _ store.DurabilityReporter = (*Store)(nil)
 
 // Durability implements [store.DurabilityReporter] from each master's
-// persistence settings (appendonly, appendfsync, save), with the masters'
-// run_ids as the instance: it changes when any of them restarts. Records
-// survive a crash only with appendonly yes and appendfsync always. A
-// failover to a replica that had not yet received the last writes loses
-// them whatever the settings.
+// settings, with the masters' run_ids as the instance: it changes when any
+// of them restarts. Records survive a crash only with appendonly yes and
+// appendfsync always; and even then Redis loses records it acknowledged
+// when it evicts them, or fails over to a replica, so CrashSafe is also
+// false when
+//
+//   - maxmemory is set and maxmemory-policy is not noeviction (under a
+//     volatile-* policy Redis evicts settled records within their retention,
+//     under allkeys-* running records and the pending sets too; a retry of
+//     an evicted record runs the work again), or INFO does not tell;
+//   - the master has replicas: connected ones, or on Redis Cluster any that
+//     CLUSTER NODES lists for it, connected or not (replication is
+//     asynchronous and the store does not WAIT, so a failover loses the
+//     writes the replica had not received), or CLUSTER NODES is refused;
+//   - the server is itself a replica.
+//
+// It reads what the servers say at the time of the call: a replica added
+// later, or a setting changed, shows in the next call.
 func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	var mu sync.Mutex
 	var details, ids []string
@@ -1137,16 +1237,19 @@ func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 		return store.Durability{Detail: "unknown: the Redis client is neither a client nor a cluster client"}, nil
 	}
 	if err != nil {
-		return store.Durability{}, translate("durability", err)
+		return store.Durability{}, translateServer("durability", err)
 	}
 	slices.Sort(ids)
 	slices.Sort(details)
 	return store.Durability{CrashSafe: safe, Detail: strings.Join(slices.Compact(details), "; "), Instance: strings.Join(ids, ",")}, nil
 }
 
-// nodeDurability reads one server's persistence settings and run_id.
+// nodeDurability reads one server's settings and run_id. INFO without a
+// section (its default sections, one reply on every version) holds all but
+// appendfsync and save, which CONFIG GET reads; when CONFIG is refused or
+// renamed, appendfsync is unknown, so the server is not called crash safe.
 func nodeDurability(ctx context.Context, c *redis.Client) (store.Durability, string, error) {
-	info, err := c.Info(ctx, "persistence", "server").Result()
+	info, err := c.Info(ctx).Result()
 	if err != nil {
 		return store.Durability{}, "", err
 	}
@@ -1177,5 +1280,65 @@ func nodeDurability(ctx context.Context, c *redis.Client) (store.Durability, str
 	default:
 		d.Detail = "appendonly no, no snapshots: a restart loses every record"
 	}
+	risk := func(detail string) {
+		d.CrashSafe = false
+		d.Detail += "; " + detail
+	}
+
+	maxmemory, policy := fields["maxmemory"], fields["maxmemory_policy"]
+	switch {
+	case maxmemory == "" || policy == "":
+		risk("maxmemory and maxmemory-policy unknown (not in INFO): Redis may evict records, and a retry of an evicted one runs the work again")
+	case maxmemory != "0" && policy != "noeviction":
+		risk("maxmemory-policy " + policy + " with maxmemory " + maxmemory + ": when memory fills, Redis evicts records " +
+			"(settled ones within their retention, or under allkeys-* running ones), and a retry of an evicted one runs the work again")
+	}
+
+	if role := fields["role"]; role != "master" {
+		risk("role " + role + ", not master: this server is a replica, and its master's writes reach it asynchronously")
+	}
+	replicas, _ := strconv.Atoi(fields["connected_slaves"])
+	known := strconv.Itoa(replicas) + " connected"
+	if fields["cluster_enabled"] == "1" {
+		listed, err := clusterReplicas(ctx, c)
+		switch {
+		case err != nil:
+			replicas, known = max(replicas, 1), "unknown (CLUSTER NODES refused)"
+		case listed > replicas:
+			replicas, known = listed, strconv.Itoa(listed)+" (CLUSTER NODES)"
+		}
+	}
+	if replicas > 0 {
+		risk("replicas " + known + ": replication is asynchronous, so a failover to a replica loses the acknowledged writes it had not received")
+	}
 	return d, fields["run_id"], nil
+}
+
+// clusterReplicas returns how many replicas CLUSTER NODES, asked of a
+// Redis Cluster master, lists for it, connected or not.
+func clusterReplicas(ctx context.Context, c *redis.Client) (int, error) {
+	nodes, err := c.ClusterNodes(ctx).Result()
+	if err != nil {
+		return 0, err
+	}
+	// A line: <id> <addr> <flags> <master id or -> <ping> <pong> <epoch> <link> <slots…>
+	var self string
+	var lines [][]string
+	for _, line := range strings.Split(nodes, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 4 {
+			continue
+		}
+		if slices.Contains(strings.Split(f[2], ","), "myself") {
+			self = f[0]
+		}
+		lines = append(lines, f)
+	}
+	n := 0
+	for _, f := range lines {
+		if self != "" && f[3] == self {
+			n++
+		}
+	}
+	return n, nil
 }

@@ -608,6 +608,12 @@ func TestClosedClientIsUnavailable(t *testing.T) {
 	}
 }
 
+// TestTranslate: every refusal Redis answers with that may pass, like every
+// failure to reach it, wraps ErrUnavailable: the engine keeps the outcome
+// and tries again instead of dropping it. A script that failed on what it
+// found (a key of another type, a damaged record) is the store's answer,
+// not unavailability: fail_open must not run past it. The caller's own
+// cancellation is not unavailability.
 func TestTranslate(t *testing.T) {
 	deadline := translate("get", fmt.Errorf("redis: %w", context.DeadlineExceeded))
 	if !errors.Is(deadline, idem.ErrUnavailable) || !errors.Is(deadline, context.DeadlineExceeded) {
@@ -621,13 +627,54 @@ func TestTranslate(t *testing.T) {
 		"TRYAGAIN Multiple keys request during rehashing of slot", "MASTERDOWN Link with MASTER is down",
 		"READONLY You can't write against a read only replica.", "OOM command not allowed when used memory > 'maxmemory'.",
 		"MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
-		"NOREPLICAS Not enough good replicas to write."} {
-		if err := translate("acquire", redisError(t, msg)); !errors.Is(err, idem.ErrUnavailable) {
+		"NOREPLICAS Not enough good replicas to write.",
+		// A cluster client's redirections ran out, or a plain client
+		// talks to a cluster node that does not own the slot.
+		"MOVED 3999 127.0.0.1:7001", "ASK 3999 127.0.0.1:7001",
+		// Authentication and ACLs.
+		"NOAUTH Authentication required.",
+		"WRONGPASS invalid username-password pair or user is disabled.",
+		"NOPERM this user has no permissions to run the 'evalsha' command",
+		"NOPERM No permissions to access a key",
+		// Redis 6.2 wraps the refusal of a command inside a script.
+		"ERR Error running script (call to f_0debf783): @user_script:18: @user_script: 18: -OOM command not allowed when used memory > 'maxmemory'.",
+		"ERR Error running script (call to f_0debf783): @user_script:18: @user_script: 18: -MISCONF Errors writing to the AOF file: No space left on device",
+		"ERR Error running script (call to f_0debf783): @user_script:18: @user_script: 18: -NOREPLICAS Not enough good replicas to write.",
+		"ERR Error running script (call to f_0debf783): @user_script:18: @user_script: 18: -READONLY You can't write against a read only replica.",
+		"ERR Protocol error: unauthenticated multibulk length",
+	} {
+		if err := translate("finish", redisError(t, msg)); !errors.Is(err, idem.ErrUnavailable) {
 			t.Errorf("%q: %v, want ErrUnavailable", msg, err)
 		}
 	}
-	if err := translate("acquire", redisError(t, "WRONGTYPE Operation against a key holding the wrong kind of value")); errors.Is(err, idem.ErrUnavailable) {
-		t.Errorf("WRONGTYPE: %v, want not ErrUnavailable", err)
+	// A script that failed on what it found: a key of the wrong type, a
+	// Lua error on a damaged record.
+	for _, msg := range []string{
+		"WRONGTYPE Operation against a key holding the wrong kind of value",
+		"ERR user_script:5: attempt to perform arithmetic on a nil value script: 0debf783, on @user_script:5.",
+		"ERR Error running script (call to f_0debf783): @user_script:5: user_script:5: attempt to compare nil with number",
+	} {
+		if err := translate("finish", redisError(t, msg)); errors.Is(err, idem.ErrUnavailable) || err == nil {
+			t.Errorf("%q: %v, want the error as it is, not ErrUnavailable", msg, err)
+		}
+	}
+}
+
+// TestTranslateServer: for the calls that are not about records (the
+// notifier's, Durability's), a server that cannot be reached or cannot serve
+// for now is unavailable, and any other reply (a command refused by an ACL)
+// is Redis's answer.
+func TestTranslateServer(t *testing.T) {
+	if err := translateServer("durability", redisError(t, "LOADING Redis is loading the dataset in memory")); !errors.Is(err, idem.ErrUnavailable) {
+		t.Errorf("LOADING: %v, want ErrUnavailable", err)
+	}
+	if err := translateServer("durability", fmt.Errorf("redis: %w", context.DeadlineExceeded)); !errors.Is(err, idem.ErrUnavailable) {
+		t.Errorf("deadline: %v, want ErrUnavailable", err)
+	}
+	for _, msg := range []string{"NOPERM this user has no permissions to run the 'info' command", "ERR unknown command 'INFO'"} {
+		if err := translateServer("durability", redisError(t, msg)); errors.Is(err, idem.ErrUnavailable) {
+			t.Errorf("%q: %v, want not ErrUnavailable", msg, err)
+		}
 	}
 }
 

@@ -1,0 +1,124 @@
+package redisstore
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
+	"github.com/idemhq/idem/store"
+	"github.com/redis/go-redis/v9"
+)
+
+// TestRefusedAccessIsUnavailable: a Redis that refuses a client (no
+// credentials, a wrong password, an ACL user without the keys' permission)
+// answers with an error, not with a verdict on the record: the store says
+// unavailable, so the engine keeps the outcome and tries again, where an
+// error of another kind would drop it. The refused scripts wrote nothing,
+// and the error names neither the password nor the record.
+func TestRefusedAccessIsUnavailable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	boot, port, _ := ownRedis(t)
+	for _, acl := range [][]any{
+		{"ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all"},
+		{"ACL", "SETUSER", "keyless", "on", ">keyless-secret", "~elsewhere:*", "+@all"},
+		{"ACL", "SETUSER", "default", "off"},
+	} {
+		if err := boot.Do(ctx, acl...).Err(); err != nil {
+			t.Fatalf("%v: %v", acl[:3], err)
+		}
+	}
+	client := func(user, password string) *redis.Client {
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port, Username: user, Password: password})
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	prefix := randomPrefix(t)
+	storeOf := func(c *redis.Client) *Store {
+		s, err := New(Config{Client: c, Prefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	admin := storeOf(client("admin", "admin-secret"))
+	r := testkit.Acquire(t, admin, "tenant", "refused-access", t0, time.Minute)
+	finish := store.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0.Add(time.Second),
+		State: store.StateCompleted, Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: t0.Add(time.Hour)}
+	for _, c := range []struct {
+		name, user, password, reply string
+	}{
+		// Redis cuts an unauthenticated client off at a command of more
+		// than 10 arguments (an EVALSHA of Finish has 12).
+		{"no credentials", "", "", "unauthenticated"},
+		{"a wrong password", "keyless", "wrong-secret", "WRONGPASS"},
+		{"a user without the keys", "keyless", "keyless-secret", "NOPERM"},
+	} {
+		err := storeOf(client(c.user, c.password)).Finish(ctx, finish)
+		if !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), c.reply) {
+			t.Errorf("Finish with %s: %v, want ErrUnavailable from a %s reply", c.name, err, c.reply)
+		}
+		if err != nil {
+			for _, secret := range []string{"secret", prefix, r.Scope, r.Key, "charged"} {
+				if strings.Contains(err.Error(), secret) {
+					t.Errorf("Finish with %s: the error %q contains %q", c.name, err, secret)
+				}
+			}
+		}
+		if got, err := admin.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: finish.Now}); err != nil || got.State != store.StateInProgress {
+			t.Fatalf("after the refused Finish with %s: %+v, %v; want the record still in progress", c.name, got, err)
+		}
+	}
+	if _, err := storeOf(client("", "")).Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: finish.Now}); !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "NOAUTH") {
+		t.Errorf("Get with no credentials: %v, want ErrUnavailable from a NOAUTH reply", err)
+	}
+	if err := admin.Finish(ctx, finish); err != nil {
+		t.Fatalf("Finish with access: %v", err)
+	}
+}
+
+// TestMovedIsUnavailable: a cluster node that does not own the record's slot
+// answers MOVED, which a client that follows no more redirections (a plain
+// client, or a cluster client whose redirections ran out during a
+// resharding) returns as it is. Nothing was decided, so the store says
+// unavailable and the engine keeps the outcome.
+func TestMovedIsUnavailable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testClusterClient(t)
+	s := newTestStore(t, cluster, 1)
+	r := testkit.Acquire(t, s, "tenant", "moved", t0, time.Minute)
+	finish := store.FinishParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0.Add(time.Second),
+		State: store.StateCompleted, Response: &store.Response{Status: 201, Body: []byte("charged")}, Expires: t0.Add(time.Hour)}
+	prefix, _, _ := strings.Cut(s.tags[0], "{")
+	moved := 0
+	for _, addr := range strings.Split(testkit.Server(t, "IDEM_TEST_REDIS_CLUSTER_ADDRS"), ",") {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		t.Cleanup(func() { node.Close() })
+		on, err := New(Config{Client: node, Prefix: prefix, Shards: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := on.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: t0}); err == nil {
+			continue // the node that owns the slot
+		}
+		moved++
+		err = on.Finish(ctx, finish)
+		if !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "MOVED") {
+			t.Errorf("Finish on a node that does not own the slot: %v, want ErrUnavailable from a MOVED reply", err)
+		}
+	}
+	if moved == 0 {
+		t.Fatal("no node answered MOVED")
+	}
+	if got, err := s.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: finish.Now}); err != nil || got.State != store.StateInProgress {
+		t.Fatalf("after the refused Finishes: %+v, %v; want the record still in progress", got, err)
+	}
+	if err := s.Finish(ctx, finish); err != nil {
+		t.Fatalf("Finish through the cluster: %v", err)
+	}
+}
