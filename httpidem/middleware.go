@@ -77,6 +77,49 @@ const DefaultWait = 5 * time.Second
 // believing the retry safe.
 const HeaderIgnored = "Idempotent-Ignored"
 
+// Ignored returns w as the writer of an answer to a request whose key is
+// not honoured: its final answer carries [HeaderIgnored] set to why,
+// however the handler writes it. (A reverse proxy clears the headers after
+// passing on an upstream's 1xx, 100 Continue or 103 Early Hints; a header
+// set once beforehand was lost, and the key ignored silently.)
+func Ignored(w http.ResponseWriter, why string) http.ResponseWriter {
+	w.Header().Set(HeaderIgnored, why)
+	return &ignoredWriter{ResponseWriter: w, why: why}
+}
+
+// ignoredWriter sets HeaderIgnored as the final answer's header is written.
+type ignoredWriter struct {
+	http.ResponseWriter
+	why   string
+	wrote bool
+}
+
+func (w *ignoredWriter) WriteHeader(code int) {
+	if !w.wrote && (code >= 200 || code == http.StatusSwitchingProtocols) {
+		w.wrote = true
+		w.Header().Set(HeaderIgnored, w.why)
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *ignoredWriter) Write(b []byte) (int, error) {
+	if !w.wrote {
+		w.WriteHeader(http.StatusOK)
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+// Flush writes the header first, as Write does, then flushes.
+func (w *ignoredWriter) Flush() {
+	if !w.wrote {
+		w.WriteHeader(http.StatusOK)
+	}
+	http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Unwrap gives http.ResponseController the writer beneath (to hijack it).
+func (w *ignoredWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
 // InProgressRetryAfter is the Retry-After of a 409 in-progress answer.
 const InProgressRetryAfter = time.Second
 
@@ -408,7 +451,7 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	if !m.methods[r.Method] {
 		if HasKey(r.Header) {
-			w.Header().Set(HeaderIgnored, r.Method+" is not covered here: the request ran without idempotency")
+			w = Ignored(w, r.Method+" is not covered here: the request ran without idempotency")
 		}
 		next.ServeHTTP(w, r)
 		return
@@ -484,8 +527,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && r.Context().Err() == nil {
 			m.observe(r, ObservedFailOpen)
 			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
-			w.Header().Set(HeaderIgnored, "the idempotency store could not be reached: the request ran without idempotency (fail-open)")
-			next.ServeHTTP(w, r)
+			next.ServeHTTP(Ignored(w, "the idempotency store could not be reached: the request ran without idempotency (fail-open)"), r)
 			return
 		}
 		m.observe(r, ObservedStoreError)

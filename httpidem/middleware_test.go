@@ -9,6 +9,8 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -929,5 +931,41 @@ func TestUnsafeMethodsCoveredByDefault(t *testing.T) {
 	}
 	if a.runs.Load() != 4 {
 		t.Fatalf("ran %d times, want 4", a.runs.Load())
+	}
+}
+
+// TestIgnoredSurvivesInformationalResponses: Idempotent-Ignored reaches the
+// final answer when the handler sends a 1xx first. A reverse proxy in
+// front of an upstream that answers 103 Early Hints (or 100 Continue)
+// clears the headers after passing the 1xx on, which took the header away:
+// the key was ignored silently, and a client retrying a lost answer ran
+// the request twice.
+func TestIgnoredSurvivesInformationalResponses(t *testing.T) {
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.Header().Del("Link")
+		w.WriteHeader(http.StatusCreated)
+	}))
+	t.Cleanup(upstream.Close)
+	target, _ := url.Parse(upstream.URL)
+	forward := httputil.NewSingleHostReverseProxy(target)
+	down, err := idem.New(idem.Config{Store: downStore{memstore.New()}, StoreTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, srv := range map[string]*httptest.Server{
+		"a method not covered": serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), Methods: []string{"POST"}}, forward),
+		"fail_open":            serve(t, httpidem.Config{Engine: down, FailOpen: true}, forward),
+	} {
+		method := "POST"
+		if name == "a method not covered" {
+			method = "PUT"
+		}
+		r := send(t, srv, method, "/pay", "k", "x")
+		if r.status != http.StatusCreated || r.header.Get(httpidem.HeaderIgnored) == "" {
+			t.Errorf("%s: %d, %s %q; want the upstream's 201 saying the key was ignored", name, r.status, httpidem.HeaderIgnored, r.header.Get(httpidem.HeaderIgnored))
+		}
 	}
 }
