@@ -91,14 +91,10 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return cfg, nil, err
 	}
-	if path := cmp.Or(*configPath, env("IDEM_CONFIG")); path != "" {
-		data, err := os.ReadFile(path)
-		if err != nil {
-			return cfg, nil, err
-		}
-		if err := decodeProxyYAML(data, &cfg); err != nil {
-			return cfg, nil, fmt.Errorf("config %s: %w", path, err)
-		}
+	path := cmp.Or(*configPath, env("IDEM_CONFIG"))
+	routes, err := readConfigFile(path, &cfg)
+	if err != nil {
+		return cfg, nil, err
 	}
 	for i, s := range settings {
 		if v := env(s.env); v != "" {
@@ -112,11 +108,33 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 			}
 		}
 	}
+	// Every route starts from the defaults as the file, the environment
+	// and the flags leave them.
+	if err := routes.decode(&cfg); err != nil {
+		return cfg, nil, fmt.Errorf("config %s: %w", path, err)
+	}
 	if err := cfg.Validate(); err != nil {
 		return cfg, nil, err
 	}
 	log, err := cfg.Logger(stderr)
 	return cfg, log, err
+}
+
+// readConfigFile reads the YAML file at path, if any, over cfg, all but its
+// routes, which it returns to be read once the defaults are complete.
+func readConfigFile(path string, cfg *proxy.Config) (fileRoutes, error) {
+	if path == "" {
+		return fileRoutes{}, nil
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fileRoutes{}, err
+	}
+	routes, err := decodeProxyFile(data, cfg)
+	if err != nil {
+		return fileRoutes{}, fmt.Errorf("config %s: %w", path, err)
+	}
+	return routes, nil
 }
 
 func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {

@@ -21,20 +21,24 @@ import (
 // (unless --acquirer names one) and a reconciler, on loopback.
 func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
 	fs := newFlags("demo")
-	listen := fs.String("listen", "127.0.0.1:8080", "`address` of the payments API")
+	listen := fs.String("listen", "127.0.0.1:8080", "`address` of the payments API [$IDEM_LISTEN]")
 	acquirerURL := fs.String("acquirer", "", "`URL` of a card acquirer to use instead of starting the simulated one")
 	acquirerListen := fs.String("acquirer-listen", "127.0.0.1:8090", "`address` of the simulated acquirer")
-	store := fs.String("store", "sqlite:idem-demo.db", "the store, a `DSN`: sqlite:PATH or postgres://… (the ledger lives in the same database)")
-	lease := fs.Duration("lease", idem.DefaultLease, "lease length")
+	store := fs.String("store", "sqlite:idem-demo.db", "the store, a `DSN`: sqlite:PATH or postgres://… (the ledger lives in the same database) [$IDEM_STORE]")
+	lease := fs.Duration("lease", idem.DefaultLease, "lease length [$IDEM_LEASE]")
 	grace := fs.Duration("grace", 10*time.Second, "how long past its lease the reconciler leaves a record to its owner; 0s for none")
 	every := fs.Duration("reconcile-every", 2*time.Second, "time between reconciler passes")
-	admin := fs.String("admin-listen", "127.0.0.1:8091", "`address` of /healthz, /readyz, /metrics (Prometheus) and the console (/console/); empty: none")
-	token := fs.String("admin-token", "", "`token` the console's actions need (default: IDEM_ADMIN_TOKEN, or one made up and printed at start)")
-	auditLog := fs.String("audit-log", "idem-demo-audit.log", "`file` the console's actions are appended to")
-	journal := fs.String("journal-dir", "idem-demo-journal", "`directory` where outcomes wait while the store is unreachable")
-	newLog := logFlag(fs, env, stderr)
+	admin := fs.String("admin-listen", "127.0.0.1:8091", "`address` of /healthz, /readyz, /metrics (Prometheus) and the console (/console/); empty: none [$IDEM_ADMIN_LISTEN]")
+	token := fs.String("admin-token", "", "`token` the console's actions need (default: one made up and printed at start) [$IDEM_ADMIN_TOKEN]")
+	auditLog := fs.String("audit-log", "idem-demo-audit.log", "`file` the console's actions are appended to [$IDEM_AUDIT_LOG]")
+	journal := fs.String("journal-dir", "idem-demo-journal", "`directory` where outcomes wait while the store is unreachable (none: memory only) [$IDEM_JOURNAL_DIR]")
+	newLog := logFlag(fs, stderr)
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return exitStatus(err)
+	}
+	if err := applyEnv(fs, env); err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
 	}
 	if k := storeopen.Kind(*store); k != "sqlite" && k != "postgres" {
 		usageError(stderr, fs.Name(), fmt.Sprintf("--store: the demo keeps its ledger in the store's database, so it takes sqlite:PATH or postgres://…, not %s", k))
@@ -62,7 +66,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return failed(err)
 	}
-	eng, err := idem.New(idem.Config{Store: measured, Lease: *lease, JournalDir: *journal, Logger: log})
+	eng, err := idem.New(idem.Config{Store: measured, Lease: *lease, JournalDir: proxy.Config{Engine: idem.Config{JournalDir: *journal}}.JournalDir(), Logger: log})
 	if err != nil {
 		return failed(err)
 	}
@@ -101,8 +105,8 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return failed(err)
 	}
 	if *admin != "" {
-		made := *token == "" && env("IDEM_ADMIN_TOKEN") == ""
-		secret := cmp.Or(*token, env("IDEM_ADMIN_TOKEN"), rand.Text())
+		made := *token == ""
+		secret := cmp.Or(*token, rand.Text())
 		con, err := newConsole(eng, tel, secret, false, false, *auditLog, log)
 		if err != nil {
 			return failed(err)
@@ -118,7 +122,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 			fmt.Fprintf(stdout, "console on %s/console/ (its actions take the admin token you set)\n", url)
 		}
 	}
-	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, *store)
+	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, storeopen.Redact(*store))
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
 	if err := servers.Run(ctx, proxy.DefaultShutdownTimeout); err != nil {
 		return failed(err)

@@ -1,13 +1,13 @@
 package cli
 
 import (
-	"cmp"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"time"
 
@@ -284,31 +284,111 @@ func version() string {
 	return v + " " + info.GoVersion
 }
 
-// storeFlag is the --store flag of the commands that open a store.
-func storeFlag(fs *flag.FlagSet, env Env) *string {
-	return fs.String("store", cmp.Or(env("IDEM_STORE"), storeopen.Default), "the store, a `DSN`: "+storeKinds+" [$IDEM_STORE]")
+// deployment are the flags of the commands that work on a deployment's
+// store (keys, reconcile): --config, --store and, for those that settle
+// records, --retention. They are read as the proxy reads them: its
+// defaults, then the YAML file, then the environment, then the flags; the
+// flags' defaults in help are the proxy's, never the environment's (which
+// may hold a password).
+type deployment struct {
+	config, store, retention *string
 }
 
-// retentionFlag is the --retention flag of the commands that settle
-// records: how long an outcome they settle is replayed. It must be the
-// deployment's (its longest, when routes differ): a shorter one lets a
-// retry the deployment promises to answer run again.
-func retentionFlag(fs *flag.FlagSet, env Env) func() (time.Duration, error) {
-	v := fs.String("retention", cmp.Or(env("IDEM_RETENTION"), idem.DefaultRetention.String()),
-		"how long an outcome settled here is replayed: the deployment's `retention` (its longest) [$IDEM_RETENTION]")
-	return func() (time.Duration, error) {
-		d, err := time.ParseDuration(*v)
-		if err != nil || d <= 0 {
-			return 0, fmt.Errorf("--retention %q: want a positive duration, such as 72h", *v)
-		}
-		return d, nil
+// deploymentFlags adds the deployment's flags to fs; settles adds
+// --retention.
+func deploymentFlags(fs *flag.FlagSet, settles bool) *deployment {
+	d := &deployment{
+		config: fs.String("config", "", "the proxy's YAML configuration `file`, for its store and its longest retention [$IDEM_CONFIG]"),
+		store:  fs.String("store", storeopen.Default, "the store, a `DSN`: "+storeKinds+" [$IDEM_STORE]"),
 	}
+	if settles {
+		// It must be the deployment's (its longest, when routes differ): a
+		// shorter one lets a retry the deployment promises to answer run
+		// again.
+		d.retention = fs.String("retention", idem.DefaultRetention.String(),
+			"how long an outcome settled here is replayed: the deployment's `retention` (its longest) [$IDEM_RETENTION]")
+	}
+	return d
+}
+
+// deploymentNames are the flags of a deployment, which applyEnv leaves to
+// it.
+var deploymentNames = []string{"config", "store", "retention"}
+
+// resolve returns the store and the retention (the longest of the
+// routes') of the deployment the parsed flags, the environment and the
+// configuration file describe.
+func (d *deployment) resolve(fs *flag.FlagSet, env Env) (string, time.Duration, error) {
+	cfg := proxy.DefaultConfig()
+	path := *d.config
+	if !isSet(fs, "config") {
+		path = env("IDEM_CONFIG")
+	}
+	routes, err := readConfigFile(path, &cfg)
+	if err != nil {
+		return "", 0, err
+	}
+	for _, s := range proxySettings() {
+		if s.yaml != "store" && (s.yaml != "retention" || d.retention == nil) {
+			continue
+		}
+		if v := env(s.env); v != "" {
+			if err := s.set(&cfg, v, true); err != nil {
+				return "", 0, fmt.Errorf("$%s: %w", s.env, err)
+			}
+		}
+		if isSet(fs, s.flag) {
+			v := *d.store
+			if s.flag == "retention" {
+				v = *d.retention
+			}
+			if err := s.set(&cfg, v, true); err != nil {
+				return "", 0, fmt.Errorf("--%s: %w", s.flag, err)
+			}
+		}
+	}
+	if cfg.Engine.Retention <= 0 {
+		return "", 0, fmt.Errorf("retention %s: want a positive duration, such as 72h", formatDuration(cfg.Engine.Retention))
+	}
+	if err := routes.decode(&cfg); err != nil {
+		return "", 0, fmt.Errorf("config %s: %w", path, err)
+	}
+	cfg = cfg.PinRetentions()
+	return cfg.Store, cfg.Engine.Retention, nil
+}
+
+// isSet reports whether the flag name was given on the command line.
+func isSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+// applyEnv gives each flag of fs not on the command line the value of the
+// variable its usage names ("[$IDEM_…]"), when that is set; except are
+// flags read otherwise. A flag's default in help is thus never the
+// environment's, which may hold a secret.
+func applyEnv(fs *flag.FlagSet, env Env, except ...string) error {
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		i := strings.LastIndex(f.Usage, "[$")
+		if err != nil || i < 0 || !strings.HasSuffix(f.Usage, "]") || slices.Contains(except, f.Name) || isSet(fs, f.Name) {
+			return
+		}
+		name := f.Usage[i+2 : len(f.Usage)-1]
+		if v := env(name); v != "" {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = fmt.Errorf("$%s: %v", name, e)
+			}
+		}
+	})
+	return err
 }
 
 // logFlag is the --log-format flag of the commands that log; the logger is
-// made once the flags are parsed.
-func logFlag(fs *flag.FlagSet, env Env, stderr io.Writer) func() (*slog.Logger, error) {
-	format := fs.String("log-format", cmp.Or(env("IDEM_LOG_FORMAT"), "text"), "`format` of log lines: text or json [$IDEM_LOG_FORMAT]")
+// made once the flags are parsed and the environment applied (applyEnv).
+func logFlag(fs *flag.FlagSet, stderr io.Writer) func() (*slog.Logger, error) {
+	format := fs.String("log-format", "text", "`format` of log lines: text or json [$IDEM_LOG_FORMAT]")
 	return func() (*slog.Logger, error) {
 		log, err := proxy.Config{LogFormat: *format}.Logger(stderr)
 		if err == nil {

@@ -31,7 +31,7 @@ func printKeysUsage(w io.Writer) {
 			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
 		}
 	}
-	fmt.Fprint(w, "\nThe store is --store, then $IDEM_STORE, then sqlite:idem.db. A scope is the SHA-256 of the\ncaller's scope headers (Authorization by default), in hex; --scope takes it or its start.\nRun 'idem keys COMMAND --help' for a command's flags and examples.\n")
+	fmt.Fprint(w, "\nThe store is --store, then $IDEM_STORE, then the store of the proxy's configuration file\n(--config or $IDEM_CONFIG), then sqlite:idem.db. A scope is the SHA-256 of the\ncaller's scope headers (Authorization by default), in hex; --scope takes it or its start.\nRun 'idem keys COMMAND --help' for a command's flags and examples.\n")
 }
 
 // headerFlags collects repeated --header values.
@@ -78,11 +78,7 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return 2
 	}
 	fs := newFlags("keys " + sub)
-	store := storeFlag(fs, env)
-	retention := func() (time.Duration, error) { return idem.DefaultRetention, nil }
-	if cmd.settles {
-		retention = retentionFlag(fs, env)
-	}
+	dep := deploymentFlags(fs, cmd.settles)
 	run := cmd.flags(fs)
 	pos, err := parseFlags(fs, args[1:], stdout, stderr)
 	switch {
@@ -92,13 +88,13 @@ func runKeys(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		usageError(stderr, fs.Name(), fmt.Sprintf("takes %d key, not %d", cmd.keys, len(pos)))
 		return 2
 	}
-	keep, err := retention()
+	dsn, keep, err := dep.resolve(fs, env)
 	if err != nil {
-		usageError(stderr, fs.Name(), err.Error())
+		usageError(stderr, fs.Name(), message(err))
 		return 2
 	}
 	storeopen.SetLogger(slog.New(slog.DiscardHandler)) // a failure ends the command with its error
-	opened, err := storeopen.Open(ctx, *store)
+	opened, err := storeopen.OpenExisting(ctx, dsn)    // a mistyped SQLite path is an error, not a new empty database
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}
@@ -403,15 +399,18 @@ func printJSON(w io.Writer, v any) int {
 // (reconcile.HTTPResolver) what happened to each stale record.
 func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
 	fs := newFlags("reconcile")
-	store := storeFlag(fs, env)
-	url := fs.String("resolver-url", env("IDEM_RESOLVER_URL"), "`URL` that answers for stale records (see the reconcile package's HTTPResolver) [$IDEM_RESOLVER_URL]")
-	newLog := logFlag(fs, env, stderr)
+	dep := deploymentFlags(fs, true)
+	url := fs.String("resolver-url", "", "`URL` that answers for stale records (see the reconcile package's HTTPResolver) [$IDEM_RESOLVER_URL]")
+	newLog := logFlag(fs, stderr)
 	once := fs.Bool("once", false, "make one pass, print what it did, and exit")
 	grace := fs.Duration("grace", reconcile.DefaultGrace, "how long past its lease a record is left to its owner; 0s for none")
-	retention := retentionFlag(fs, env)
 	every := fs.Duration("interval", reconcile.DefaultInterval, "time between passes")
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return exitStatus(err)
+	}
+	if err := applyEnv(fs, env, deploymentNames...); err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
 	}
 	if *url == "" {
 		usageError(stderr, fs.Name(), "--resolver-url is required")
@@ -426,12 +425,12 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 	if *once {
 		open = storeopen.Open
 	}
-	keep, err := retention()
+	store, keep, err := dep.resolve(fs, env)
 	if err != nil {
-		usageError(stderr, fs.Name(), err.Error())
+		usageError(stderr, fs.Name(), message(err))
 		return 2
 	}
-	opened, err := open(ctx, *store)
+	opened, err := open(ctx, store)
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
 	}

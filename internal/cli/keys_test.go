@@ -265,7 +265,7 @@ func TestKeysResolveNamesItsRecordAndKeepsItsOutcome(t *testing.T) {
 	if code, _, errOut := run(t, "keys", "resolve", "order-1", "--failed", "--store", dsn); code != 2 || !strings.Contains(errOut, "in 2 scopes") {
 		t.Fatalf("keys resolve of that key: %d %s; want it ambiguous", code, errOut)
 	}
-	code, _, errOut := run(t, "keys", "resolve", "order-1", "--scope", "tenant", "--completed", "--status", "201", "--retention", "72h", "--store", dsn)
+	code, _, errOut := run(t, "keys", "resolve", "order-1", "--scope", "tenant", "--completed", "--status", "201", "--retention", "72h", "--force", "--store", dsn) // unknown just now: within the grace
 	if code != 0 {
 		t.Fatalf("keys resolve --retention 72h: %d %s", code, errOut)
 	}

@@ -29,8 +29,15 @@ Values are written the same way everywhere:
 - **lists** comma-separated in a variable or a flag (a list flag may also be repeated), or a YAML list;
 - **booleans** ` + "`true`" + ` or ` + "`false`" + ` (a flag alone means true).
 
-A wrong value, an unknown key or a file that does not parse stops the proxy before it starts,
-with exit status 2 and a message that names the setting (and, in a file, its line).
+An empty list (` + "`--scope-header=`" + `, ` + "`scope_headers: []`" + ` or a bare ` + "`scope_headers:`" + `) and an empty
+` + "`journal_dir`" + ` are refused, as they would turn a protection off without saying so: write ` + "`none`" + `
+where a setting takes it (` + "`scope_headers`" + `, ` + "`journal_dir`" + `), or leave the setting out for its
+default. A variable set to the empty string counts as unset. Durations and sizes are never
+negative, except where a setting says what a negative one means.
+
+A wrong value, an unknown key, a key given twice, a second YAML document or a file that does
+not parse stops the proxy before it starts, with exit status 2 and a message that names the
+setting (and, in a file, its line).
 
 ## The process
 

@@ -1,9 +1,11 @@
 package cli
 
 import (
+	"bytes"
 	"encoding"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"math"
 	"reflect"
@@ -132,7 +134,46 @@ var (
 // set parses v into the setting's field of cfg. A list replaces what was
 // there when reset, and is added to otherwise (a repeated flag).
 func (s setting) set(cfg *proxy.Config, v string, reset bool) error {
-	return parseValue(s.field(cfg), v, reset)
+	short := s.yaml[strings.LastIndex(s.yaml, ".")+1:]
+	if noEmpty[short] && strings.TrimSpace(v) == "" {
+		return emptyError(short)
+	}
+	return explainEmpty(short, parseValue(s.field(cfg), v, reset))
+}
+
+// errEmpty is parseValue's error for a list with nothing in it.
+var errEmpty = errors.New("empty")
+
+// noEmpty are the settings other than lists that an empty value would turn
+// off without saying so.
+var noEmpty = map[string]bool{"journal_dir": true}
+
+// explainEmpty turns errEmpty into emptyError(name).
+func explainEmpty(name string, err error) error {
+	if errors.Is(err, errEmpty) {
+		return emptyError(name)
+	}
+	return err
+}
+
+// emptyError says why an empty value of the setting named name (its last
+// YAML name) is refused, in every face: it would turn a protection off
+// without saying so (one scope for every caller, no journal), or mean its
+// default while looking like "nothing".
+func emptyError(name string) error {
+	switch name {
+	case "scope_headers":
+		return fmt.Errorf("an empty list would put every caller's keys in one scope: write none for that, or leave the setting out for the default (%s)", proxy.DefaultScopeHeader)
+	case "journal_dir":
+		return fmt.Errorf("an empty directory would mean no journal: write none for that (outcomes then wait in memory only), or leave the setting out for the default (%s)", proxy.DefaultJournalDir)
+	}
+	d := proxy.DefaultConfig()
+	for _, s := range proxySettings() {
+		if strings.HasSuffix(s.yaml, name) && s.defaultText(&d) != "" {
+			return fmt.Errorf("an empty list is refused, as it reads as none but means the default: leave the setting out for the default (%s)", s.defaultText(&d))
+		}
+	}
+	return errors.New("an empty list is refused, as it reads as none but means the default: leave the setting out")
 }
 
 // parseValue parses v into f: the one parser of every setting, whether it
@@ -169,6 +210,9 @@ func parseValue(f reflect.Value, v string, reset bool) error {
 			if item = strings.TrimSpace(item); item != "" {
 				items = append(items, item)
 			}
+		}
+		if len(items) == 0 {
+			return errEmpty
 		}
 		if !reset {
 			items = append(f.Interface().([]string), items...)
@@ -288,12 +332,38 @@ func (f *flagSetting) placeholder() string {
 // the file's defaults. Values are parsed as flags are; an unknown key or a
 // bad value is an error that names its line.
 func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
-	var doc yaml.Node
-	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return errors.New(strings.TrimPrefix(err.Error(), "yaml: "))
+	routes, err := decodeProxyFile(data, cfg)
+	if err != nil {
+		return err
+	}
+	return routes.decode(cfg)
+}
+
+// fileRoutes are the routes of a configuration file, read once the
+// defaults they start from are complete: the file's, then the
+// environment's and the flags'.
+type fileRoutes struct{ node *yaml.Node }
+
+// decodeProxyFile reads a configuration file over cfg, all but its routes,
+// which it returns to be read over the final defaults.
+func decodeProxyFile(data []byte, cfg *proxy.Config) (fileRoutes, error) {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc, extra yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			return fileRoutes{}, nil // an empty file
+		}
+		return fileRoutes{}, errors.New(strings.TrimPrefix(err.Error(), "yaml: "))
+	}
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		line := extra.Line
+		if err != nil {
+			return fileRoutes{}, errors.New(strings.TrimPrefix(err.Error(), "yaml: "))
+		}
+		return fileRoutes{}, fmt.Errorf("line %d: a second document (---): the file is one document", line)
 	}
 	if len(doc.Content) == 0 {
-		return nil // an empty file
+		return fileRoutes{}, nil
 	}
 	top := doc.Content[0]
 	var routes *yaml.Node
@@ -307,16 +377,21 @@ func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 		}
 	}
 	if err := decodeNode(top, reflect.ValueOf(cfg).Elem(), "the file"); err != nil {
-		return err
+		return fileRoutes{}, err
 	}
-	if routes == nil {
+	if routes != nil && routes.Kind != yaml.SequenceNode {
+		return fileRoutes{}, fmt.Errorf("line %d: routes must be a list", routes.Line)
+	}
+	return fileRoutes{routes}, nil
+}
+
+// decode reads the routes into cfg.Routes, each over cfg.Defaults.
+func (rs fileRoutes) decode(cfg *proxy.Config) error {
+	if rs.node == nil {
 		return nil
 	}
-	if routes.Kind != yaml.SequenceNode {
-		return fmt.Errorf("line %d: routes must be a list", routes.Line)
-	}
 	cfg.Routes = nil
-	for _, n := range routes.Content {
+	for _, n := range rs.node.Content {
 		r := cfg.Defaults
 		r.Match = ""
 		if err := decodeNode(n, reflect.ValueOf(&r).Elem(), "a route"); err != nil {
@@ -341,34 +416,54 @@ func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
 		}
 		fields := map[string]reflect.Value{}
 		yamlFields(v, fields)
+		if name == "defaults" {
+			// A route's own keys: under defaults they would mean nothing.
+			delete(fields, "match")
+			delete(fields, "bypass")
+		}
+		seen := map[string]bool{}
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			key := n.Content[i].Value
 			f, ok := fields[key]
-			if !ok {
+			switch {
+			case !ok && name == "defaults" && (key == "match" || key == "bypass"):
+				return fmt.Errorf("line %d: %s is a route's, not a setting of defaults: write it in a route under routes", n.Content[i].Line, key)
+			case !ok:
 				known := slices.Sorted(maps.Keys(fields))
 				return fmt.Errorf("line %d: %s is not a setting of %s (its settings: %s)", n.Content[i].Line, key, name, strings.Join(known, ", "))
+			case seen[key]:
+				return fmt.Errorf("line %d: %s is given twice in %s", n.Content[i].Line, key, name)
 			}
+			seen[key] = true
 			if err := decodeNode(n.Content[i+1], f, key); err != nil {
 				return err
 			}
 		}
 	case n.Kind == yaml.ScalarNode && n.Tag == "!!null":
+		if v.Kind() == reflect.Slice || noEmpty[name] {
+			return fmt.Errorf("line %d: %s: %w", n.Line, name, emptyError(name))
+		}
 		v.SetZero()
 	case v.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
+		if len(n.Content) == 0 {
+			return fmt.Errorf("line %d: %s: %w", n.Line, name, emptyError(name))
+		}
 		v.SetZero()
 		for _, item := range n.Content {
 			if item.Kind != yaml.ScalarNode {
 				return fmt.Errorf("line %d: %s is a list of single values", item.Line, name)
 			}
 			if err := parseValue(v, item.Value, false); err != nil {
-				return fmt.Errorf("line %d: %s: %w", item.Line, name, err)
+				return fmt.Errorf("line %d: %s: %w", item.Line, name, explainEmpty(name, err))
 			}
 		}
 	case n.Kind != yaml.ScalarNode:
 		return fmt.Errorf("line %d: %s takes a single value", n.Line, name)
+	case noEmpty[name] && strings.TrimSpace(n.Value) == "":
+		return fmt.Errorf("line %d: %s: %w", n.Line, name, emptyError(name))
 	default:
 		if err := parseValue(v, n.Value, true); err != nil {
-			return fmt.Errorf("line %d: %s: %w", n.Line, name, err)
+			return fmt.Errorf("line %d: %s: %w", n.Line, name, explainEmpty(name, err))
 		}
 	}
 	return nil

@@ -287,6 +287,9 @@ func (cfg Config) Validate() error {
 	if _, err := cfg.Logger(io.Discard); err != nil {
 		return err
 	}
+	if err := cfg.checkLimits(); err != nil {
+		return err
+	}
 	engCfg := cfg.Engine
 	engCfg.Store, engCfg.JournalDir = memstore.New(), ""
 	eng, err := idem.New(engCfg)
@@ -298,15 +301,53 @@ func (cfg Config) Validate() error {
 	return err
 }
 
+// checkLimits refuses a negative timeout or header limit: each would mean
+// something other than what it says (a negative upstream timeout cuts every
+// response at once, so each request's outcome becomes unknown; the server's
+// mean no limit at all). 0 means the default.
+func (cfg Config) checkLimits() error {
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"upstream_timeout", cfg.UpstreamTimeout}, {"shutdown_timeout", cfg.ShutdownTimeout},
+		{"read_header_timeout", cfg.ReadHeaderTimeout}, {"read_timeout", cfg.ReadTimeout},
+		{"write_timeout", cfg.WriteTimeout}, {"idle_timeout", cfg.IdleTimeout}} {
+		if d.v < 0 {
+			return fmt.Errorf("%s %v: want a positive duration (0 for the default)", d.name, d.v)
+		}
+	}
+	if cfg.MaxHeaderBytes < 0 {
+		return fmt.Errorf("max_header_bytes %d: want a positive size (0 for the default)", cfg.MaxHeaderBytes)
+	}
+	return nil
+}
+
 func (cfg Config) upstreamURL() (*url.URL, error) {
 	if cfg.Upstream == "" {
 		return nil, errors.New("no upstream: set --upstream, IDEM_UPSTREAM or upstream: in the config file")
 	}
 	target, err := url.Parse(cfg.Upstream)
 	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
-		return nil, fmt.Errorf("upstream %q: want an http:// or https:// URL", cfg.Upstream)
+		return nil, fmt.Errorf("upstream %s: want an http:// or https:// URL", redactURL(cfg.Upstream))
+	}
+	if target.User != nil {
+		// It would be dropped: requests go upstream with their own
+		// credentials, never the proxy's.
+		return nil, fmt.Errorf("upstream %s: want a URL without user information (user@ or user:password@): the proxy does not send it", target.Redacted())
 	}
 	return target, nil
+}
+
+// redactURL is u without its password, for messages and logs; a URL that
+// does not parse is shown by its scheme alone.
+func redactURL(u string) string {
+	if p, err := url.Parse(u); err == nil {
+		return p.Redacted()
+	}
+	if scheme, _, ok := strings.Cut(u, "://"); ok && !strings.ContainsAny(scheme, ":@/") {
+		return scheme + "://…"
+	}
+	return "(not a URL)"
 }
 
 // Handler builds the proxying handler: routes, middleware and upstream.
@@ -691,7 +732,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 			return err
 		}
 	}
-	attrs := []any{"addr", addr, "upstream", cfg.Upstream}
+	attrs := []any{"addr", addr, "upstream", redactURL(cfg.Upstream)}
 	if health != nil {
 		attrs = append(attrs, "store", health.Status().Store)
 	}

@@ -9,6 +9,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+	"modernc.org/sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/store"
 )
@@ -21,10 +25,12 @@ const reopenEvery = time.Second
 // cannot be reached yet does not fail it. Every call on such a store fails
 // with [idem.ErrUnavailable] (so requests fail closed and /readyz says not
 // ready) until the store opens, which the next call after a pause tries
-// again. A DSN that is wrong fails at once, as with Open.
+// again. A DSN that is wrong fails at once, as with Open: one that does not
+// parse, and one the server or the file system refuses for good (see
+// [misconfigured]), though its store calls it unavailable.
 func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
 	opened, err := Open(ctx, dsn)
-	if err != nil && !errors.Is(err, idem.ErrUnavailable) {
+	if err != nil && (!errors.Is(err, idem.ErrUnavailable) || misconfigured(Kind(dsn), err)) {
 		return nil, err
 	}
 	if err != nil {
@@ -45,6 +51,38 @@ func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
 		}
 	}
 	return opened, nil
+}
+
+// misconfigured reports whether err, from opening a store of kind, means
+// that the DSN is wrong rather than that the server is not up yet: waiting
+// would answer 503 for ever (or, with fail_open, run every request
+// unprotected). For PostgreSQL: the database does not exist (3D000), the
+// server refuses the user or its password (class 28), or the schema cannot
+// be made (42501 insufficient privilege, 3F000 invalid schema). For SQLite,
+// which has no server to wait for: anything but a lock held by another
+// process or a deadline.
+func misconfigured(kind string, err error) bool {
+	switch kind {
+	case "postgres":
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			code := pgErr.Code
+			return code == "3D000" || strings.HasPrefix(code, "28") || code == "42501" || code == "3F000"
+		}
+	case "sqlite":
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+			return false
+		}
+		var se *sqlite.Error
+		if errors.As(err, &se) {
+			switch se.Code() & 0xff {
+			case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED:
+				return false
+			}
+		}
+		return true
+	}
+	return false
 }
 
 // eventual is a store that opens once its server answers.

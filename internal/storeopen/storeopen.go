@@ -15,8 +15,11 @@ package storeopen
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net/url"
+	"os"
 	"regexp"
 	"strings"
 
@@ -101,6 +104,27 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 	return o, nil
 }
 
+// OpenExisting is [Open] for a command that reads a store that must already
+// be there: a SQLite DSN naming no file is an error wrapping
+// [idem.ErrInvalid], rather than a new, empty database.
+func OpenExisting(ctx context.Context, dsn string) (*Opened, error) {
+	if path, ok := sqlitePath(dsn); ok && path != "" && !strings.HasPrefix(path, ":memory:") {
+		if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("%w: store %s: there is no database at %s (is the store right?)", idem.ErrInvalid, dsn, path)
+		}
+	}
+	return Open(ctx, dsn)
+}
+
+// sqlitePath returns the path of a SQLite DSN, and whether it is one.
+func sqlitePath(dsn string) (string, bool) {
+	scheme, rest, _ := strings.Cut(dsn, ":")
+	if kindOf(scheme) != "sqlite" {
+		return "", false
+	}
+	return strings.TrimPrefix(rest, "//"), true // as open reads it
+}
+
 // password finds the password of a URL-shaped DSN without parsing it, since
 // a DSN that does not parse is precisely when a driver's error echoes it.
 var password = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:([^@]*)@`)
@@ -115,27 +139,43 @@ type scrubbed struct {
 func (e *scrubbed) Error() string { return e.msg }
 func (e *scrubbed) Unwrap() error { return e.err }
 
-// scrub takes dsn's password, as written and as decoded, out of err's
-// message.
+// queryOption finds the options of a DSN's query without parsing it.
+var queryOption = regexp.MustCompile(`[?&]([^=&#]*)=([^&#]*)`)
+
+// scrub takes dsn's secrets (its password, as written and as decoded, and
+// the values of its query options that hold one) out of err's message.
 func scrub(err error, dsn string) error {
-	m := password.FindStringSubmatch(dsn)
-	if m == nil || m[1] == "" {
+	var secrets []string
+	if m := password.FindStringSubmatch(dsn); m != nil && m[1] != "" {
+		secrets = append(secrets, m[1])
+	}
+	for _, m := range queryOption.FindAllStringSubmatch(dsn, -1) {
+		if secretOption(m[1]) && m[2] != "" {
+			secrets = append(secrets, m[2])
+		}
+	}
+	if len(secrets) == 0 {
 		return err
 	}
-	msg := strings.ReplaceAll(err.Error(), m[1], "xxxxx")
-	if dec, derr := url.PathUnescape(m[1]); derr == nil && dec != "" {
-		msg = strings.ReplaceAll(msg, dec, "xxxxx")
+	msg := err.Error()
+	for _, secret := range secrets {
+		msg = strings.ReplaceAll(msg, secret, "xxxxx")
+		for _, unescape := range []func(string) (string, error){url.PathUnescape, url.QueryUnescape} {
+			if dec, derr := unescape(secret); derr == nil && dec != "" {
+				msg = strings.ReplaceAll(msg, dec, "xxxxx")
+			}
+		}
 	}
 	return &scrubbed{msg: msg, err: err}
 }
 
 func open(ctx context.Context, dsn string) (*Opened, error) {
-	scheme, rest, _ := strings.Cut(dsn, ":")
+	scheme, _, _ := strings.Cut(dsn, ":")
 	switch scheme {
 	case "memory", "mem":
 		return &Opened{Store: memstore.New(), Kind: "memory", Close: func() error { return nil }}, nil
 	case "sqlite", "sqlite3", "file":
-		path := strings.TrimPrefix(rest, "//")
+		path, _ := sqlitePath(dsn)
 		if path == "" {
 			return nil, fmt.Errorf("%w: store %q: sqlite needs a path, as in sqlite:idem.db", idem.ErrInvalid, dsn)
 		}
@@ -153,15 +193,15 @@ func open(ctx context.Context, dsn string) (*Opened, error) {
 	case "memcached":
 		return openMemcached(dsn)
 	}
-	return nil, fmt.Errorf("%w: store %q: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, redact(dsn), scheme)
+	return nil, fmt.Errorf("%w: store %s: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, Redact(dsn), schemeOf(dsn))
 }
 
 // takeOption removes idem's own query option from a DSN, so the driver
 // never sees it.
 func takeOption(dsn, name string) (string, string, error) {
-	u, err := url.Parse(dsn)
+	u, err := parseDSN(dsn)
 	if err != nil {
-		return "", "", fmt.Errorf("%w: store DSN: %v", idem.ErrInvalid, err)
+		return "", "", err
 	}
 	q := u.Query()
 	v := q.Get(name)
@@ -177,7 +217,7 @@ func openPostgres(ctx context.Context, dsn string) (*Opened, error) {
 	}
 	pool, err := pgxpool.New(ctx, dsn)
 	if err != nil {
-		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 	}
 	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
 	if err != nil {
@@ -203,13 +243,13 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 	if base, ok := strings.CutSuffix(scheme, "+cluster"); ok {
 		opts, err := redis.ParseClusterURL(base + strings.TrimPrefix(dsn, scheme))
 		if err != nil {
-			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 		}
 		client = redis.NewClusterClient(opts)
 	} else {
 		opts, err := redis.ParseURL(dsn)
 		if err != nil {
-			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 		}
 		client = redis.NewClient(opts)
 	}
@@ -228,18 +268,84 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 	}}, nil
 }
 
-// redact hides a DSN's password in messages.
-func redact(dsn string) string {
-	if u, err := url.Parse(dsn); err == nil && u.User != nil {
-		return u.Redacted()
+// parseDSN parses a URL-shaped DSN. Its error never quotes the DSN, nor
+// url's error, which may hold part of a password (a password with a / in
+// it makes url read what follows the : as a port).
+func parseDSN(dsn string) (*url.URL, error) {
+	u, err := url.Parse(dsn)
+	if err == nil {
+		return u, nil
 	}
-	return dsn
+	var uerr *url.Error
+	if _, rest, ok := strings.Cut(dsn, "://"); ok && errors.As(err, &uerr) {
+		if at := strings.LastIndex(rest, "@"); at < 0 || !strings.ContainsAny(rest[:at], "/?#") {
+			// The user-info was read as such: url's own words ("invalid
+			// port") quote no part of it.
+			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), uerr.Err)
+		}
+	}
+	return nil, fmt.Errorf("%w: store %s: not a valid URL (a / ? # @ : or %% in the user name or password must be percent-encoded)", idem.ErrInvalid, Redact(dsn))
+}
+
+// urlScheme is what may begin a URL: its scheme.
+var urlScheme = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*$`)
+
+// schemeOf is the scheme of a DSN, or "" when what comes before its first
+// colon is no scheme (and may be a secret).
+func schemeOf(dsn string) string {
+	scheme, _, _ := strings.Cut(dsn, ":")
+	if !urlScheme.MatchString(scheme) {
+		return ""
+	}
+	return scheme
+}
+
+// secretOption reports whether a DSN's query option name holds a secret
+// (password=, sslpassword=, a token…).
+func secretOption(name string) bool {
+	name = strings.ToLower(name)
+	return strings.Contains(name, "password") || strings.Contains(name, "secret") || strings.Contains(name, "token") ||
+		strings.Contains(name, "passwd")
+}
+
+// Redact returns dsn fit for a message or a log line: without the password
+// of its user-info, nor the values of its query options that hold secrets
+// (password=, sslpassword=). A DSN that does not parse as a URL is shown by
+// its scheme alone ("postgres://…"), since any part of it may be the
+// password.
+func Redact(dsn string) string {
+	scheme := schemeOf(dsn)
+	if !strings.Contains(dsn, "://") && kindOf(scheme) == "sqlite" || kindOf(scheme) == "memory" {
+		return dsn // a path, or nothing
+	}
+	u, err := url.Parse(dsn)
+	if err != nil || u.Scheme == "" || u.Opaque != "" && strings.ContainsAny(u.Opaque, "@=") {
+		if scheme == "" {
+			return "(a DSN that is not a URL)"
+		}
+		return scheme + "://…"
+	}
+	if u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+	}
+	if u.RawQuery != "" {
+		parts := strings.Split(u.RawQuery, "&")
+		for i, p := range parts {
+			if k, _, ok := strings.Cut(p, "="); ok && secretOption(k) {
+				parts[i] = k + "=xxxxx"
+			}
+		}
+		u.RawQuery = strings.Join(parts, "&")
+	}
+	return u.String()
 }
 
 func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
-	u, err := url.Parse(dsn)
+	u, err := parseDSN(dsn)
 	if err != nil {
-		return nil, fmt.Errorf("%w: store DSN: %v", idem.ErrInvalid, err)
+		return nil, err
 	}
 	q := u.Query()
 	opts := []func(*config.LoadOptions) error{config.WithLogger(awsLogger())}
@@ -252,7 +358,7 @@ func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
 	}
 	cfg, err := config.LoadDefaultConfig(ctx, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, redact(dsn), err)
+		return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 	}
 	client := dynamodb.NewFromConfig(cfg, func(o *dynamodb.Options) {
 		if u.Host != "" {
@@ -286,7 +392,7 @@ func openMemcached(dsn string) (*Opened, error) {
 	}
 	u, err := url.Parse(dsn)
 	if err != nil || u.Host == "" {
-		return nil, fmt.Errorf("%w: store %q: want memcached://host:port[,host:port]", idem.ErrInvalid, dsn)
+		return nil, fmt.Errorf("%w: store %s: want memcached://host:port[,host:port]", idem.ErrInvalid, Redact(dsn))
 	}
 	servers := strings.Split(u.Host, ",")
 	client := memcache.New(servers...)

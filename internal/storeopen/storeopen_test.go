@@ -3,6 +3,8 @@ package storeopen_test
 import (
 	"context"
 	"errors"
+	"net/url"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -100,6 +102,96 @@ func TestOpenRefusesBadDSNs(t *testing.T) {
 		}
 		if strings.Contains(err.Error(), "secret") || strings.Contains(err.Error(), "s3cret") {
 			t.Errorf("Open(%q) leaked the password: %v", dsn, err)
+		}
+	}
+}
+
+// TestOpenEventuallyFailsAtOnceOnAWrongDSN: a database that does not
+// exist, a user the server refuses and a SQLite file that cannot be made
+// are mistakes, not a server not up yet: the proxy must not start on them
+// (answering 503 forever, or with fail_open running unprotected).
+func TestOpenEventuallyFailsAtOnceOnAWrongDSN(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dsns := []string{"sqlite:" + filepath.Join(t.TempDir(), "missing-dir", "idem.db")}
+	if pg := os.Getenv("IDEM_TEST_DATABASE_URL"); pg != "" {
+		dsns = append(dsns, withPath(t, pg, "/idem_no_such_db"), withUser(t, pg, "idem_no_such_user"))
+	}
+	for _, dsn := range dsns {
+		o, err := storeopen.OpenEventually(ctx, dsn)
+		if err == nil {
+			o.Close()
+			t.Errorf("OpenEventually(%s) started; want it to fail at once", dsn)
+		}
+	}
+	// A server that is down is still waited for.
+	o, err := storeopen.OpenEventually(ctx, "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=1")
+	if err != nil {
+		t.Errorf("a server that is down: %v; want a store that opens eventually", err)
+	} else {
+		o.Close()
+	}
+}
+
+func withPath(t *testing.T, dsn, path string) string {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = path
+	return u.String()
+}
+
+func withUser(t *testing.T, dsn, user string) string {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(user)
+	return u.String()
+}
+
+// TestErrorsHideEveryPassword: a password in the query (password=,
+// sslpassword=) and one in a DSN that does not parse stay out of errors.
+func TestErrorsHideEveryPassword(t *testing.T) {
+	for _, dsn := range []string{
+		"postgres://idem@127.0.0.1:5432/test?password=hunter2&sslmode=bogus",
+		"postgres://idem@127.0.0.1:5432/test?sslpassword=hunter2&sslmode=bogus",
+		"postgres://idem@127.0.0.1:5432/test?password=hunter2&connect_timeout=abc",
+		"postgres://idem:hunter2/x@127.0.0.1:5432/test",
+		"postgres://idem:hu%zznter2@127.0.0.1:5432/test",
+		"redis://127.0.0.1:6379/0?password=hunter2&dial_timeout=x",
+		"memcached://u:hunter2@",
+		"dynamodb://AKIA:hunter2@%zz",
+		"mysql://127.0.0.1/x?password=hunter2",
+	} {
+		_, err := storeopen.Open(context.Background(), dsn)
+		if err == nil {
+			t.Errorf("Open(%s) succeeded", dsn)
+			continue
+		}
+		if strings.Contains(err.Error(), "hunter") {
+			t.Errorf("Open(%s): %v", dsn, err)
+		}
+	}
+}
+
+// TestRedact: what messages and the demo show of a DSN.
+func TestRedact(t *testing.T) {
+	for dsn, want := range map[string]string{
+		"postgres://idem:hunter2@h/db?sslmode=disable": "postgres://idem:xxxxx@h/db?sslmode=disable",
+		"postgres://idem@h/db?password=hunter2&x=1":    "postgres://idem@h/db?password=xxxxx&x=1",
+		"postgres://idem@h/db?sslpassword=hunter2":     "postgres://idem@h/db?sslpassword=xxxxx",
+		"postgres://idem:hunter2/x@h/db":               "postgres://…",
+		"host=h password=hunter2":                      "(a DSN that is not a URL)",
+		"redis://:hunter2@h:6379/0":                    "redis://:xxxxx@h:6379/0",
+		"sqlite:idem.db":                               "sqlite:idem.db",
+		"memory:":                                      "memory:",
+		"dynamodb://AKIA:hunter2@h:8000?table=t":       "dynamodb://AKIA:xxxxx@h:8000?table=t",
+		"postgres:idem:hunter2@h/db":                   "postgres://…",
+	} {
+		if got := storeopen.Redact(dsn); got != want {
+			t.Errorf("Redact(%s) = %s, want %s", dsn, got, want)
 		}
 	}
 }

@@ -1,0 +1,149 @@
+package cli_test
+
+import (
+	"cmp"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemhq/idem/internal/cli"
+)
+
+func envOf(m map[string]string) cli.Env { return func(k string) string { return m[k] } }
+
+// writeFile writes content to a file named name in a temporary directory,
+// and returns its path.
+func writeFile(t *testing.T, name, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestStoreAndResolverStillComeFromTheEnvironment: with the flags' defaults
+// no longer read from the environment, the environment still applies.
+func TestStoreAndResolverStillComeFromTheEnvironment(t *testing.T) {
+	dsn, _ := seed(t)
+	var out, errOut strings.Builder
+	code := cli.Main(context.Background(), []string{"keys", "ls"}, envOf(map[string]string{"IDEM_STORE": dsn}), &out, &errOut)
+	if code != 0 || !strings.Contains(out.String(), "done") {
+		t.Errorf("keys ls with IDEM_STORE: exit %d, %s %s", code, out.String(), errOut.String())
+	}
+	out.Reset()
+	errOut.Reset()
+	code = cli.Main(context.Background(), []string{"reconcile", "--once", "--store", dsn}, envOf(map[string]string{"IDEM_RESOLVER_URL": "http://127.0.0.1:1/resolve"}), &out, &errOut)
+	if strings.Contains(errOut.String(), "--resolver-url is required") {
+		t.Errorf("reconcile ignores IDEM_RESOLVER_URL: exit %d, %s", code, errOut.String())
+	}
+}
+
+// TestKeysAndReconcileReadTheConfigFile: idem keys and idem reconcile take
+// the deployment's file, for its store and its longest retention; keys
+// never creates a missing SQLite database.
+func TestKeysAndReconcileReadTheConfigFile(t *testing.T) {
+	dsn, engine := seed(t)
+	path := writeFile(t, "idem.yaml", "upstream: http://x\nstore: "+dsn+"\nretention: 24h\nroutes:\n  - match: POST /v1/charges\n    retention: 72h\n")
+	for _, env := range []map[string]string{{"IDEM_CONFIG": path}, {}} {
+		args := []string{"keys", "ls"}
+		if len(env) == 0 {
+			args = append(args, "--config", path)
+		}
+		var out, errOut strings.Builder
+		code := cli.Main(context.Background(), args, envOf(env), &out, &errOut)
+		if code != 0 || !strings.Contains(out.String(), "done") {
+			t.Errorf("%v %v: exit %d, %s %s; want the file's store listed", args, env, code, out.String(), errOut.String())
+		}
+	}
+
+	// resolve settles with the longest retention of the file's routes.
+	var out, errOut strings.Builder
+	code := cli.Main(context.Background(), []string{"keys", "resolve", "unknown", "--config", path, "--completed", "--status", "201", "--force"}, envOf(nil), &out, &errOut)
+	if code != 0 {
+		t.Fatalf("resolve: exit %d, %s", code, errOut.String())
+	}
+	r, err := engine().Get(context.Background(), "tenant", "unknown")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left := time.Until(r.Expires); left < 71*time.Hour {
+		t.Errorf("resolved with %v of retention left; want the file's longest, 72h", left.Round(time.Hour))
+	}
+
+	// A missing SQLite database is an error, not a new empty one.
+	missing := filepath.Join(t.TempDir(), "idem.db")
+	errOut.Reset()
+	code = cli.Main(context.Background(), []string{"keys", "ls", "--store", "sqlite:" + missing}, envOf(nil), io.Discard, &errOut)
+	if _, err := os.Stat(missing); code == 0 || err == nil {
+		t.Errorf("keys ls on a missing database: exit %d (%s), file made: %v", code, errOut.String(), err == nil)
+	}
+}
+
+// runDemoUntilUp runs idem demo until it says where it listens, and returns what
+// it printed.
+func runDemoUntilUp(t *testing.T, args []string, env map[string]string) string {
+	t.Helper()
+	t.Chdir(t.TempDir()) // the demo's files
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	out := &untilWriter{want: "payments API listening", seen: cancel}
+	var errOut strings.Builder
+	args = append([]string{"demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", ""}, args...)
+	code := cli.Main(ctx, args, envOf(env), out, &errOut)
+	if code != 0 || !strings.Contains(out.String(), "payments API listening") {
+		t.Fatalf("demo: exit %d, %s %s", code, out.String(), errOut.String())
+	}
+	return out.String()
+}
+
+// untilWriter calls seen once what is written holds want.
+type untilWriter struct {
+	mu   sync.Mutex
+	b    strings.Builder
+	want string
+	seen func()
+}
+
+func (w *untilWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.b.Write(p)
+	if strings.Contains(w.b.String(), w.want) {
+		w.seen()
+	}
+	return len(p), nil
+}
+
+func (w *untilWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestDemoPrintsNoPassword: the demo says which store it uses without the
+// DSN's password.
+func TestDemoPrintsNoPassword(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs PostgreSQL")
+	}
+	dsn := strings.Replace(cmp.Or(os.Getenv("IDEM_TEST_DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "postgres@", "postgres:hunter2@", 1)
+	if out := runDemoUntilUp(t, []string{"--store", dsn}, nil); strings.Contains(out, "hunter2") || !strings.Contains(out, "postgres://postgres:xxxxx@") {
+		t.Errorf("demo prints:\n%s", out)
+	}
+}
+
+// TestDemoTakesTheEnvironment: the demo reads IDEM_STORE (and the other
+// variables of the settings it shares with the proxy) as the proxy does.
+func TestDemoTakesTheEnvironment(t *testing.T) {
+	dir := t.TempDir()
+	out := runDemoUntilUp(t, nil, map[string]string{"IDEM_STORE": "sqlite:" + filepath.Join(dir, "from-env.db")})
+	if !strings.Contains(out, "from-env.db") {
+		t.Errorf("demo ignores IDEM_STORE:\n%s", out)
+	}
+}
