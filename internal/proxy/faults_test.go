@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -26,6 +27,7 @@ import (
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/pgstore"
 )
 
@@ -274,4 +276,114 @@ func TestSlowClientsAreCutOff(t *testing.T) {
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	closedWithin("an idle kept-alive connection", idle, 5*time.Second)
+}
+
+// TestUpstreamNotReadingIsBounded: an upstream that takes the connection
+// but never reads (a frozen process: the kernel accepts for it) is given
+// up after upstream_timeout while the request's body is being written, as
+// while its answer is awaited. It held the key in progress, and the
+// request, for as long as the socket stayed open.
+func TestUpstreamNotReadingIsBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close() // never accepts: the kernel does, and nothing reads
+	eng := mustEngine(t, memstore.New())
+	srv := start(t, proxy.Config{Upstream: "http://" + ln.Addr().String(), UpstreamTimeout: 200 * time.Millisecond,
+		Defaults: proxy.Route{Config: httpidem.Config{MaxRequestBody: 64 << 20}}}, eng, nil)
+	done := make(chan int, 1)
+	go func() {
+		req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader(strings.Repeat("x", 32<<20))) // past any socket buffer
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			done <- -1
+			return
+		}
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	select {
+	case status := <-done:
+		rec, err := eng.Get(context.Background(), "", "k")
+		if status != http.StatusGatewayTimeout || err != nil || rec.State != idem.StateUnknown {
+			t.Fatalf("answer %d, record %v (%v); want 504 and the record unknown (the upstream had the request's headers)", status, rec.State, err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("no answer 20 s into a request to an upstream that does not read, with upstream_timeout 200ms")
+	}
+}
+
+// TestIgnoredSurvivesContinue: a keyed request on a bypassed route is
+// answered with Idempotent-Ignored even when it asks for 100 Continue,
+// which the upstream sends and the reverse proxy passes on, clearing the
+// headers after it (the key was then ignored silently).
+func TestIgnoredSurvivesContinue(t *testing.T) {
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		io.ReadAll(r.Body) // a Go server sends 100 Continue here
+		w.WriteHeader(http.StatusCreated)
+	}}
+	cfg := proxy.Config{Routes: []proxy.Route{{Match: "/bypass/", Bypass: true}},
+		Defaults: proxy.Route{Config: httpidem.Config{Methods: []string{"POST"}}}}
+	srv := start(t, cfg, mustEngine(t, memstore.New()), up)
+	for _, c := range []struct{ method, path string }{{"POST", "/bypass/x"}, {"PUT", "/pay"}} {
+		req, _ := http.NewRequest(c.method, srv.URL+c.path, strings.NewReader(strings.Repeat("x", 2000)))
+		req.Header.Set("Idempotency-Key", "k-"+c.method)
+		req.Header.Set("Expect", "100-continue")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusCreated || resp.Header.Get(httpidem.HeaderIgnored) == "" {
+			t.Errorf("%s %s with Expect: 100-continue: %d without %s; the key was ignored silently", c.method, c.path, resp.StatusCode, httpidem.HeaderIgnored)
+		}
+	}
+}
+
+// TestUpgradePassesThrough: an upgrade (a WebSocket) through the proxy is
+// the upstream's 101 and then the tunnel. Every upgrade failed with 502
+// (the proxy wrapped the 101's body in one that cannot be written to), and
+// a keyed one was left UNKNOWN.
+func TestUpgradePassesThrough(t *testing.T) {
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+		brw.Flush()
+		line, _ := brw.ReadString('\n')
+		brw.WriteString("echo " + line)
+		brw.Flush()
+	}}
+	eng := mustEngine(t, memstore.New())
+	srv := start(t, proxy.Config{UpstreamTimeout: 100 * time.Millisecond}, eng, up)
+	for _, method := range []string{"GET", "POST"} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(conn, "%s /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nIdempotency-Key: ws-%s\r\nContent-Length: 0\r\n\r\n", method, method)
+		br := bufio.NewReader(conn)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("%s upgrade: %v", method, err)
+		}
+		if resp.StatusCode != http.StatusSwitchingProtocols {
+			t.Fatalf("%s upgrade: %d; want the upstream's 101", method, resp.StatusCode)
+		}
+		time.Sleep(300 * time.Millisecond) // the tunnel idle for three upstream_timeouts: nothing may cut it
+		fmt.Fprintf(conn, "hello\n")
+		if line, err := br.ReadString('\n'); err != nil || line != "echo hello\n" {
+			t.Fatalf("%s upgrade: the tunnel answered %q, %v", method, line, err)
+		}
+		conn.Close()
+	}
+	if rec, err := eng.Get(context.Background(), "", "ws-POST"); err == nil && rec.State == idem.StateUnknown {
+		t.Fatalf("the keyed upgrade's record is unknown, though the upstream answered")
+	}
 }

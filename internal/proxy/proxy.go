@@ -128,8 +128,9 @@ type Config struct {
 	// AuditLog is the file the console's actions are appended to. Defaults
 	// to none: the audit log is kept in memory only.
 	AuditLog string `yaml:"audit_log"`
-	// UpstreamTimeout bounds the wait for the upstream's response headers,
-	// and then for each part of its body; past it the outcome is unknown.
+	// UpstreamTimeout bounds sending a request to the upstream, then the
+	// wait for its response headers, then for each part of its body; past
+	// it the outcome is unknown.
 	// Defaults to [DefaultUpstreamTimeout].
 	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
@@ -226,7 +227,7 @@ func (r Route) middleware(eng *idem.Engine, log *slog.Logger, observe func(*http
 func bypassed(up http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if httpidem.HasKey(r.Header) {
-			w.Header().Set(httpidem.HeaderIgnored, "this route bypasses idempotency: the request ran without it")
+			w = httpidem.Ignored(w, "this route bypasses idempotency: the request ran without it")
 		}
 		up.ServeHTTP(w, r)
 	})
@@ -445,7 +446,7 @@ type recorder struct {
 }
 
 func (r *recorder) WriteHeader(status int) {
-	if r.status == 0 {
+	if r.status == 0 && (status >= 200 || status == http.StatusSwitchingProtocols) { // not a 1xx before the answer
 		r.status = status
 	}
 	r.ResponseWriter.WriteHeader(status)
@@ -462,11 +463,17 @@ func (r *recorder) Write(b []byte) (int, error) {
 
 func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 
-type sentKey struct{}
+// attempt is what the reverse proxy knows of one request to the upstream,
+// in its context under attemptKey.
+type attempt struct {
+	sent     atomic.Bool // its headers were written: the upstream may have acted
+	timedOut atomic.Bool // writing it took longer than the timeout
+	// cancel ends it; its response's body calls it when the upstream stops
+	// sending the body (see stallingBody).
+	cancel context.CancelFunc
+}
 
-// stallKey holds the cancellation of a request to the upstream, which its
-// response's body calls when the upstream stops sending it.
-type stallKey struct{}
+type attemptKey struct{}
 
 // stallingBody is an upstream response's body that gives up, cancelling
 // its request, when no byte of it comes for timeout: an upstream that
@@ -531,25 +538,34 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			pr.SetXForwarded()
 			pr.Out.Host = pr.In.Host
 			neverResent(pr.Out)
-			var sent atomic.Bool
-			ctx, cancel := context.WithCancel(pr.Out.Context()) // ended with the request's, or by stallingBody
-			ctx = context.WithValue(ctx, sentKey{}, &sent)
-			ctx = context.WithValue(ctx, stallKey{}, cancel)
+			a := new(attempt)
+			ctx, cancel := context.WithCancel(pr.Out.Context()) // ended with the request's, by stallingBody, or by writing
+			a.cancel = cancel
+			// Sending the request is bounded as waiting for its answer is
+			// (the transport's timeout starts once the body is written): an
+			// upstream that does not read would hold it, and its key, for
+			// as long as the connection stays open.
+			writing := time.AfterFunc(timeout, func() { a.timedOut.Store(true); cancel() })
+			ctx = context.WithValue(ctx, attemptKey{}, a)
 			ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-				WroteHeaders: func() { sent.Store(true) },
+				WroteHeaders: func() { a.sent.Store(true) },
+				WroteRequest: func(httptrace.WroteRequestInfo) { writing.Stop() },
 			})
 			pr.Out = pr.Out.WithContext(ctx)
 		},
 		ModifyResponse: func(res *http.Response) error {
-			if cancel, ok := res.Request.Context().Value(stallKey{}).(context.CancelFunc); ok {
-				res.Body = &stallingBody{ReadCloser: res.Body, timeout: timeout, timer: time.AfterFunc(timeout, cancel)}
+			if res.StatusCode == http.StatusSwitchingProtocols {
+				return nil // a tunnel (a WebSocket): its body is the connection, idle as long as it likes
+			}
+			if a, ok := res.Request.Context().Value(attemptKey{}).(*attempt); ok {
+				res.Body = &stallingBody{ReadCloser: res.Body, timeout: timeout, timer: time.AfterFunc(timeout, a.cancel)}
 			}
 			return nil
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			sent, _ := r.Context().Value(sentKey{}).(*atomic.Bool)
+			a, _ := r.Context().Value(attemptKey{}).(*attempt)
 			status := http.StatusBadGateway
-			if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) {
+			if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) || (a != nil && a.timedOut.Load()) {
 				status = http.StatusGatewayTimeout
 			}
 			log := log.With("method", r.Method, "path", r.URL.Path)
@@ -558,7 +574,7 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 				log = log.With("key_hash", hash)
 			}
 			switch {
-			case sent != nil && sent.Load():
+			case a != nil && a.sent.Load():
 				httpidem.OutcomeUnknown(r)
 				log.Warn("upstream took the request but gave no response: outcome unknown until reconciled", "err", err)
 			case hash != "":
