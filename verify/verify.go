@@ -6,15 +6,28 @@
 //
 //	replay                a retry gets the first answer, byte for byte, marked Idempotent-Replayed
 //	payload-mismatch      the same key with another payload gets 422
-//	concurrent-duplicates N requests at once: one outcome (or 409s), never two different executions
+//	concurrent-duplicates N requests at once: one outcome (the others replay it or get 409, 429 or 503), replayed after
 //	missing-key           no key gets 400 (only with RequireKey)
 //	malformed-keys        an empty, over-long, non-ASCII or doubled key gets 400
 //	scopes                the same key from another credential is not replayed across (with two Credentials)
 //	problem-json          every 4xx the checks saw is application/problem+json
 //
-// A second execution can only be seen when it answers differently (a new id,
-// a counter); an endpoint whose every answer is the same byte for byte can
-// hide one. The report says what each check saw.
+// Answers alone show a second execution only when it answers differently (a
+// new id, a counter). An endpoint that runs every duplicate and answers all
+// but one with 409 or with the first's stored answer, marked replayed, gives
+// nothing away in its answers, and nor does one whose every answer is the
+// same byte for byte: the concurrent check passes them, and says so. Give
+// [Config.EffectsURL], a page that shows the request's side effects, and
+// the check reads them too: the duplicates must move them exactly as one
+// run does.
+//
+// A 4xx answer is an outcome, not a refusal, when the endpoint stores it: a
+// retry with the same key gets it back marked replayed (a declined card's
+// 402). Only a 4xx that a retry does not replay stops the checks
+// ([ErrRefused]); a 4xx outcome is not held to problem-json.
+//
+// A password in the URL is printed as "xxxxx", in the report and the errors.
+// The report says what each check saw.
 package verify
 
 import (
@@ -26,8 +39,10 @@ import (
 	"io"
 	"maps"
 	"math"
+	"math/big"
 	"mime"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -43,13 +58,18 @@ var (
 	// ErrUnreachable: the endpoint gives no answer at all (refused
 	// connections, DNS, timeouts).
 	ErrUnreachable = errors.New("the endpoint cannot be reached")
-	// ErrRefused: the endpoint answers the first request with a 4xx; give
-	// it a body it accepts and the headers it needs.
+	// ErrRefused: the endpoint answers the first request with a 4xx that a
+	// retry with the same key does not replay (a 4xx it stores and replays
+	// is an outcome, and the checks go on); give it a body it accepts and
+	// the headers it needs.
 	ErrRefused = errors.New("the endpoint refuses the request")
 )
 
 // DefaultConcurrency is how many duplicates the concurrent check sends.
 const DefaultConcurrency = 10
+
+// DefaultTimeout bounds each request when [Config.Timeout] is zero.
+const DefaultTimeout = 30 * time.Second
 
 // Config says what to check and how to reach it.
 type Config struct {
@@ -79,9 +99,28 @@ type Config struct {
 	// one key under each.
 	ScopeHeader string
 	Credentials []string
-	// Client sends the requests. Defaults to a client with a 30 s timeout.
+	// Client sends the requests. Defaults to http.Client's zero value.
 	Client *http.Client
-	// Progress, when set, is called after each request with the count so far.
+	// Timeout bounds each request the checks send, with its retries for
+	// the checks that retry, whether or not Client has a Timeout of its
+	// own (which, when shorter, applies too). Defaults to [DefaultTimeout].
+	Timeout time.Duration
+	// EffectsURL, when set, is a page that shows the request's side effects
+	// (a count of charges, a balance, a ledger) as JSON: the concurrent
+	// check reads it (GET, with Header) before one run of the request with
+	// a key of its own, after that run, and after the duplicates. Its
+	// numbers, and the lengths of its arrays, must move during the
+	// duplicates exactly as they moved during the one run: a second
+	// execution that answers like a replay or a 409 moves them again. The
+	// one run must move at least one of them, or the probe shows nothing
+	// and the check fails saying so. Give a page that nothing else changes
+	// while verify runs, whose numbers move by the same amount with every
+	// run (not a clock or a random id), and whose effects are written
+	// before the request is answered. Without it, the check reads answers
+	// only and its report says what that cannot show.
+	EffectsURL string
+	// Progress, when set, is called after each request with the count so
+	// far, one call at a time.
 	Progress func(sent int)
 }
 
@@ -150,14 +189,22 @@ func (a answer) problemJSON() bool {
 
 type runner struct {
 	cfg      Config
+	url      string       // cfg.URL as printed: without its password
 	plain    *http.Client // sees every answer as it is
 	retrying *http.Client // idemclient: rides out 503s and 409 in-progress with the same key
 	mu       sync.Mutex
 	// stop is why the checks cannot go on after the first request.
-	stop    error
-	sent    int
-	seen4xx int      // 4xx answers seen
-	errs4xx []string // of those, the ones that were not problem+json
+	stop     error
+	sent     int
+	seen4xx  []seen4xx       // the endpoint's 4xx answers
+	outcomes map[string]bool // the 4xx answers (by signature) that a retry replayed: outcomes, not errors
+}
+
+// seen4xx is a 4xx answer, for the problem-json check.
+type seen4xx struct {
+	signature string
+	problem   bool   // application/problem+json
+	describe  string // its status and content type
 }
 
 // Run runs every check against cfg.URL. An error means the checks could not
@@ -165,6 +212,18 @@ type runner struct {
 func Run(ctx context.Context, cfg Config) (Report, error) {
 	if cfg.URL == "" {
 		return Report{}, errors.New("verify: no URL")
+	}
+	u, err := url.Parse(cfg.URL)
+	if err != nil {
+		return Report{}, fmt.Errorf("verify: the URL is not valid: %v", parseError(err))
+	}
+	if cfg.EffectsURL != "" {
+		if _, err := url.Parse(cfg.EffectsURL); err != nil {
+			return Report{}, fmt.Errorf("verify: the effects URL is not valid: %v", parseError(err))
+		}
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = DefaultTimeout
 	}
 	cfg.Method = strings.ToUpper(cmpOr(cfg.Method, http.MethodPost))
 	if cfg.Body == "" {
@@ -189,30 +248,65 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	plain := cfg.Client
 	if plain == nil {
-		plain = &http.Client{Timeout: 30 * time.Second}
+		plain = &http.Client{} // each request is bounded by cfg.Timeout
 	}
 	base := plain.Transport
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	r := &runner{cfg: cfg, plain: plain,
+	r := &runner{cfg: cfg, url: u.Redacted(), plain: plain, outcomes: map[string]bool{},
 		retrying: &http.Client{Timeout: plain.Timeout, Transport: idemclient.New(idemclient.Config{Base: base, MaxElapsed: 20 * time.Second})}}
-	rep := Report{URL: cfg.URL}
+	rep := Report{URL: r.url}
 	for _, check := range []func(context.Context) Check{r.replay, r.mismatch, r.concurrent, r.missingKey, r.malformed, r.scopes} {
 		rep.Checks = append(rep.Checks, check(ctx))
 		if r.stop != nil {
 			return rep, r.stop
 		}
 	}
-	switch {
-	case len(r.errs4xx) > 0:
-		rep.Checks = append(rep.Checks, Check{"problem-json", Fail, "not application/problem+json: " + strings.Join(r.errs4xx, "; ")})
-	case r.seen4xx == 0:
-		rep.Checks = append(rep.Checks, Check{"problem-json", Skip, "no 4xx answer was seen"})
-	default:
-		rep.Checks = append(rep.Checks, Check{"problem-json", Pass, fmt.Sprintf("all %d 4xx answers were application/problem+json", r.seen4xx)})
-	}
+	rep.Checks = append(rep.Checks, r.problemJSON())
 	return rep, nil
+}
+
+// parseError is what url.Parse says is wrong, without the URL it quotes.
+func parseError(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		return ue.Err
+	}
+	return err
+}
+
+// problemJSON checks the 4xx answers the other checks saw, but for the
+// outcomes the endpoint stored and replayed.
+func (r *runner) problemJSON() Check {
+	c := Check{Name: "problem-json"}
+	n, outcomes := 0, 0
+	var bad []string
+	for _, s := range r.seen4xx {
+		switch {
+		case r.outcomes[s.signature]:
+			outcomes++
+		case !s.problem:
+			bad = append(bad, s.describe)
+			fallthrough
+		default:
+			n++
+		}
+	}
+	switch {
+	case len(bad) > 0:
+		c.Result, c.Detail = Fail, "not application/problem+json: "+strings.Join(bad, "; ")
+	case n == 0 && outcomes > 0:
+		c.Result, c.Detail = Skip, fmt.Sprintf("the only 4xx answers seen (%d) were a stored outcome, replayed, which need not be problem+json", outcomes)
+	case n == 0:
+		c.Result, c.Detail = Skip, "no 4xx answer was seen"
+	default:
+		c.Result, c.Detail = Pass, fmt.Sprintf("all %d 4xx answers were application/problem+json", n)
+		if outcomes > 0 {
+			c.Detail += fmt.Sprintf("; %d more were a stored outcome, replayed, which need not be", outcomes)
+		}
+	}
+	return c
 }
 
 func cmpOr(v, def string) string {
@@ -245,42 +339,76 @@ func newKey() string {
 	return k
 }
 
-// send makes one request: keys is nil for none, or the header values to send.
+// send makes one request to the endpoint: keys is nil for none, or the
+// header values to send.
 func (r *runner) send(ctx context.Context, c *http.Client, body string, keys []string, extra http.Header) answer {
-	req, err := http.NewRequestWithContext(ctx, r.cfg.Method, r.cfg.URL, strings.NewReader(body))
+	h := r.cfg.Header.Clone()
+	for name, v := range extra {
+		h[name] = v
+	}
+	for _, k := range keys {
+		h.Add("Idempotency-Key", k)
+	}
+	a := r.do(ctx, c, r.cfg.Method, r.cfg.URL, body, h)
+	if a.err == nil && a.status >= 400 && a.status < 500 {
+		r.mu.Lock()
+		r.seen4xx = append(r.seen4xx, seen4xx{signature: a.signature(), problem: a.problemJSON(),
+			describe: fmt.Sprintf("%d (%s)", a.status, cmpOr(a.header.Get("Content-Type"), "no content type"))})
+		r.mu.Unlock()
+	}
+	return a
+}
+
+// do makes one request, bounded by cfg.Timeout, and reads its answer.
+func (r *runner) do(ctx context.Context, c *http.Client, method, target, body string, h http.Header) answer {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, target, strings.NewReader(body))
 	if err != nil {
 		return answer{err: err}
 	}
-	req.Header = r.cfg.Header.Clone()
-	for name, v := range extra {
-		req.Header[name] = v
-	}
-	for _, k := range keys {
-		req.Header.Add("Idempotency-Key", k)
-	}
+	req.Header = h
 	resp, err := c.Do(req)
 	r.mu.Lock()
 	r.sent++
-	sent := r.sent
-	r.mu.Unlock()
 	if r.cfg.Progress != nil {
-		r.cfg.Progress(sent)
+		r.cfg.Progress(r.sent) // one call at a time, in order
 	}
+	r.mu.Unlock()
 	if err != nil {
 		return answer{err: err}
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
-	a := answer{status: resp.StatusCode, header: resp.Header, body: b, err: err}
-	if a.status >= 400 && a.status < 500 {
-		r.mu.Lock()
-		r.seen4xx++
-		if !a.problemJSON() {
-			r.errs4xx = append(r.errs4xx, fmt.Sprintf("%d (%s)", a.status, cmpOr(a.header.Get("Content-Type"), "no content type")))
-		}
-		r.mu.Unlock()
+	return answer{status: resp.StatusCode, header: resp.Header, body: b, err: err}
+}
+
+// signature is the answer's status and body: what a replay repeats.
+func (a answer) signature() string { return fmt.Sprintf("%d %s", a.status, a.body) }
+
+// replays reports whether a is a replay of the answer of: marked
+// Idempotent-Replayed, with its status and body.
+func (a answer) replays(of answer) bool {
+	return a.err == nil && of.err == nil && a.replayed() && a.signature() == of.signature()
+}
+
+// stored tells an outcome from a refusal: an answer below 400 is an
+// outcome; a 4xx is one only when retry, the same request again, gets it
+// back replayed. The 4xx outcomes are remembered for the problem-json check.
+func (r *runner) stored(a answer, retry func() answer) bool {
+	if a.err != nil || a.status >= 500 {
+		return false
 	}
-	return a
+	if a.status < 400 {
+		return true
+	}
+	if !retry().replays(a) {
+		return false
+	}
+	r.mu.Lock()
+	r.outcomes[a.signature()] = true
+	r.mu.Unlock()
+	return true
 }
 
 // headersDiffer names the headers a replay changed, leaving out those that
@@ -308,18 +436,20 @@ func (r *runner) replay(ctx context.Context) Check {
 	first := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
 	switch {
 	case first.err != nil:
-		r.stop = fmt.Errorf("%w: %s: %v", ErrUnreachable, r.cfg.URL, first.err)
+		r.stop = fmt.Errorf("%w: %s: %v", ErrUnreachable, r.url, first.err)
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
-		return c
-	case first.status >= 400 && first.status < 500:
-		r.stop = fmt.Errorf("%w: %s answered %d", ErrRefused, r.cfg.URL, first.status)
-		c.Result, c.Detail = Fail, fmt.Sprintf("the first request was refused (%s)", first)
 		return c
 	case first.status >= 500:
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
 		return c
 	}
 	second := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
+	// A 4xx is a refusal unless the retry replays it: a stored outcome.
+	if !r.stored(first, func() answer { return second }) {
+		r.stop = fmt.Errorf("%w: %s answered %d", ErrRefused, r.url, first.status)
+		c.Result, c.Detail = Fail, fmt.Sprintf("the first request was refused (%s), and a retry did not replay it", first)
+		return c
+	}
 	switch {
 	case second.err != nil:
 		c.Result, c.Detail = Fail, "the retry failed: "+second.err.Error()
@@ -350,7 +480,7 @@ func (r *runner) mismatch(ctx context.Context) Check {
 	c := Check{Name: "payload-mismatch"}
 	key := newKey()
 	first := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil)
-	if first.err != nil || first.status >= 400 {
+	if !r.stored(first, func() answer { return r.send(ctx, r.retrying, r.cfg.Body, []string{key}, nil) }) {
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
 		return c
 	}
@@ -363,8 +493,35 @@ func (r *runner) mismatch(ctx context.Context) Check {
 	return c
 }
 
+// notOutcome reports whether a duplicate's answer says it did not run: it
+// was held back (409, 429), or it ran and nothing happened (503, the key
+// released for a later request).
+func notOutcome(status int) bool {
+	return status == http.StatusConflict || status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable
+}
+
 func (r *runner) concurrent(ctx context.Context) Check {
 	c := Check{Name: "concurrent-duplicates"}
+	// With an effects page: read it before and after one run of the request
+	// under a key of its own, to see what one run moves.
+	var before, one effects
+	if r.cfg.EffectsURL != "" {
+		var err error
+		if before, err = r.effects(ctx); err != nil {
+			c.Result, c.Detail = Fail, "the effects URL, before one run: "+err.Error()
+			return c
+		}
+		k := newKey()
+		run := func() answer { return r.send(ctx, r.retrying, r.cfg.Body, []string{k}, nil) }
+		if a := run(); !r.stored(a, run) {
+			c.Result, c.Detail = Fail, fmt.Sprintf("one run, for the effects URL, failed (%s)", a)
+			return c
+		}
+		if one, err = r.effects(ctx); err != nil {
+			c.Result, c.Detail = Fail, "the effects URL, after one run: "+err.Error()
+			return c
+		}
+	}
 	key := newKey()
 	answers := make([]answer, r.cfg.Concurrency)
 	var wg sync.WaitGroup
@@ -380,18 +537,20 @@ func (r *runner) concurrent(ctx context.Context) Check {
 	close(start)
 	wg.Wait()
 	outcomes := map[string]int{}
-	conflicts, replays, errs := 0, 0, 0
+	held, replays, fresh, errs := 0, 0, 0, 0
 	for _, a := range answers {
 		switch {
 		case a.err != nil:
 			errs++
-		case a.status == http.StatusConflict:
-			conflicts++
+		case notOutcome(a.status):
+			held++
 		default:
 			if a.replayed() {
 				replays++
+			} else {
+				fresh++
 			}
-			outcomes[fmt.Sprintf("%d %s", a.status, a.body)]++
+			outcomes[a.signature()]++
 		}
 	}
 	// Once they are done, one more retry must replay the one outcome.
@@ -400,17 +559,134 @@ func (r *runner) concurrent(ctx context.Context) Check {
 	for o := range outcomes {
 		only = o
 	}
+	n := r.cfg.Concurrency
 	switch {
 	case len(outcomes) > 1:
-		c.Result, c.Detail = Fail, fmt.Sprintf("%d duplicates sent at once got %d different answers: it ran more than once", r.cfg.Concurrency, len(outcomes))
+		c.Result, c.Detail = Fail, fmt.Sprintf("%d duplicates sent at once got %d different answers: it ran more than once", n, len(outcomes))
+		return c
 	case errs > 0:
-		c.Result, c.Detail = Fail, fmt.Sprintf("%d of %d duplicates failed at the network level", errs, r.cfg.Concurrency)
-	case final.err != nil || (only != "" && fmt.Sprintf("%d %s", final.status, final.body) != only):
-		c.Result, c.Detail = Fail, fmt.Sprintf("after the duplicates, a retry got %s, not their outcome", final)
+		c.Result, c.Detail = Fail, fmt.Sprintf("%d of %d duplicates failed at the network level", errs, n)
+		return c
+	case len(outcomes) == 0:
+		c.Result, c.Detail = Fail, fmt.Sprintf("none of %d duplicates sent at once got an outcome (all got 409, 429 or 503), and then a retry got %s: one of them must run, or the key is never settled", n, final)
+		return c
+	case fresh > 1:
+		c.Result, c.Detail = Fail, fmt.Sprintf("%d of %d duplicates sent at once got the outcome not marked Idempotent-Replayed: it ran more than once, or its replays are not marked", fresh, n)
+		return c
+	case final.err != nil || !final.replayed() || final.signature() != only:
+		c.Result, c.Detail = Fail, fmt.Sprintf("after the duplicates, a retry got %s, not a replay of their outcome", final)
+		return c
+	}
+	if final.status >= 400 && final.status < 500 {
+		r.mu.Lock()
+		r.outcomes[only] = true // a stored 4xx, replayed
+		r.mu.Unlock()
+	}
+	c.Result, c.Detail = Pass, fmt.Sprintf("%d duplicates at once: one outcome (%d replayed it, %d got 409, 429 or 503); a later retry replayed it", n, replays, held)
+	if r.cfg.EffectsURL == "" {
+		c.Detail += "; answers alone cannot show a duplicate that ran and was answered like a replay or a 409: give an effects URL (idem verify --effects-url) to read the side effects"
+		return c
+	}
+	after, err := r.effects(ctx)
+	if err != nil {
+		c.Result, c.Detail = Fail, "the effects URL, after the duplicates: "+err.Error()
+		return c
+	}
+	moved, unlike := compareEffects(before, one, after)
+	switch {
+	case len(moved) == 0:
+		c.Result, c.Detail = Fail, "the effects URL did not change when one request ran, so it cannot show a second execution: give one whose numbers the request moves (a count of charges, a balance)"
+	case len(unlike) > 0:
+		c.Result, c.Detail = Fail, fmt.Sprintf("%d duplicates at once moved the side effects unlike one run: %s: it did not run exactly once", n, strings.Join(unlike, "; "))
 	default:
-		c.Result, c.Detail = Pass, fmt.Sprintf("%d duplicates at once: one outcome (%d replayed it, %d got 409); a later retry replayed it", r.cfg.Concurrency, replays, conflicts)
+		c.Detail += fmt.Sprintf("; the side effects moved as one run moves them (%s)", strings.Join(moved, ", "))
 	}
 	return c
+}
+
+// effects are the numbers of the effects page, by JSON pointer, with the
+// lengths of its arrays.
+type effects map[string]*big.Rat
+
+// lengthOf marks the path of an array's length.
+const lengthOf = "\x00length"
+
+// effects reads cfg.EffectsURL. Its errors name no URL and quote no body.
+func (r *runner) effects(ctx context.Context) (effects, error) {
+	h := r.cfg.Header.Clone()
+	h.Del("Content-Type")
+	a := r.do(ctx, r.plain, http.MethodGet, r.cfg.EffectsURL, "", h)
+	switch {
+	case a.err != nil:
+		return nil, fmt.Errorf("it could not be read: %v", a.err)
+	case a.status < 200 || a.status > 299:
+		return nil, fmt.Errorf("it answered %d", a.status)
+	}
+	dec := json.NewDecoder(bytes.NewReader(a.body))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, errors.New("its answer is not JSON")
+	}
+	e := effects{}
+	e.walk("", v)
+	return e, nil
+}
+
+func (e effects) walk(path string, v any) {
+	switch v := v.(type) {
+	case json.Number:
+		if n, ok := new(big.Rat).SetString(v.String()); ok {
+			e[path] = n
+		}
+	case map[string]any:
+		for name, w := range v {
+			e.walk(path+"/"+strings.NewReplacer("~", "~0", "/", "~1").Replace(name), w)
+		}
+	case []any:
+		e[path+lengthOf] = big.NewRat(int64(len(v)), 1)
+		for i, w := range v {
+			e.walk(path+"/"+strconv.Itoa(i), w)
+		}
+	}
+}
+
+// compareEffects says which numbers one run moved, and which the
+// duplicates moved otherwise than one run did. Numbers that are not in all
+// three reads (an array's new element) are left out; its length is not.
+func compareEffects(before, one, after effects) (moved, unlike []string) {
+	name := func(path string) string {
+		p, isLength := strings.CutSuffix(path, lengthOf)
+		if p == "" {
+			p = "the answer"
+		}
+		if isLength {
+			return "the length of " + p
+		}
+		return p
+	}
+	for _, path := range slices.Sorted(maps.Keys(one)) {
+		b, ok := before[path]
+		a, ok2 := after[path]
+		if !ok || !ok2 {
+			continue
+		}
+		byOne, byAll := new(big.Rat).Sub(one[path], b), new(big.Rat).Sub(a, one[path])
+		if byOne.Sign() != 0 {
+			moved = append(moved, fmt.Sprintf("%s by %s", name(path), byOne.RatString()))
+		}
+		if byOne.Cmp(byAll) != 0 {
+			unlike = append(unlike, fmt.Sprintf("%s moved by %s (one run moves it by %s)", name(path), byAll.RatString(), byOne.RatString()))
+		}
+	}
+	const most = 3
+	if len(moved) > most {
+		moved = append(moved[:most], "…")
+	}
+	if len(unlike) > most {
+		unlike = append(unlike[:most], "…")
+	}
+	return moved, unlike
 }
 
 func (r *runner) missingKey(ctx context.Context) Check {
@@ -458,14 +734,19 @@ func (r *runner) scopes(ctx context.Context) Check {
 	}
 	key := newKey()
 	h := r.cfg.ScopeHeader
-	a := r.send(ctx, r.retrying, r.cfg.Body, []string{key}, http.Header{http.CanonicalHeaderKey(h): {r.cfg.Credentials[0]}})
-	if a.err != nil || a.status >= 400 {
+	as := func(i int, body string) func() answer {
+		return func() answer {
+			return r.send(ctx, r.retrying, body, []string{key}, http.Header{http.CanonicalHeaderKey(h): {r.cfg.Credentials[i]}})
+		}
+	}
+	a := as(0, r.cfg.Body)()
+	if !r.stored(a, as(0, r.cfg.Body)) {
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first credential's request failed (%s)", a)
 		return c
 	}
 	// The other caller sends another payload under the same key: with one
 	// key space per caller it simply runs; with a shared one it collides.
-	b := r.send(ctx, r.retrying, r.cfg.ChangedBody, []string{key}, http.Header{http.CanonicalHeaderKey(h): {r.cfg.Credentials[1]}})
+	b := as(1, r.cfg.ChangedBody)()
 	switch {
 	case b.err != nil:
 		c.Result, c.Detail = Fail, "the second credential's request failed: "+b.err.Error()
@@ -473,9 +754,9 @@ func (r *runner) scopes(ctx context.Context) Check {
 		c.Result, c.Detail = Fail, "the same key from another credential collided with the first (422): keys are not scoped per caller"
 	case b.replayed():
 		c.Result, c.Detail = Fail, "the second credential was replayed the first one's answer: keys are not scoped per caller"
-	case b.status >= 400 && b.status < 500:
+	case b.status >= 400 && b.status < 500 && !r.stored(b, as(1, r.cfg.ChangedBody)):
 		c.Result, c.Detail = Fail, fmt.Sprintf("the second credential's request, with the changed body, was refused (%s); give another request the endpoint accepts (--changed-body)", b)
-	case b.status >= 400:
+	case b.status >= 500:
 		c.Result, c.Detail = Fail, fmt.Sprintf("the second credential's request failed (%s)", b)
 	default:
 		c.Result, c.Detail = Pass, "the same key from two credentials ran as two requests"

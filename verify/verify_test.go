@@ -256,3 +256,339 @@ func TestStopsAtARefusal(t *testing.T) {
 		t.Fatalf("Run against an endpoint that refuses = %+v, %v; want one failed check and ErrRefused", rep, err)
 	}
 }
+
+// problem writes an RFC 9457 problem of type typ.
+func problem(w http.ResponseWriter, status int, typ string) {
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	fmt.Fprintf(w, `{"type":%q,"title":%q,"status":%d}`, typ, typ, status)
+}
+
+// actThenRecord is the classic check-then-act idempotency bug: it looks the
+// key up, runs the work without holding the key, and records the outcome
+// afterwards, insert-if-absent. A retry is replayed and another payload gets
+// 422, but duplicates sent at once all run; the losers answer 409 or the
+// winner's stored answer, marked replayed, so every answer looks right.
+// GET /effects counts the executions.
+type actThenRecord struct {
+	onLoser string // "409" or "replay"
+	execs   atomic.Int64
+	mu      sync.Mutex
+	done    map[string][2]string // key → body, answer
+	// A run waits (half a second at most) for a second run of its key, so
+	// that duplicates sent at once overlap however the machine schedules
+	// them: the race is there to be found.
+	running map[string]*overlap
+}
+
+type overlap struct {
+	n    int
+	both chan struct{}
+}
+
+func newActThenRecord(onLoser string) *actThenRecord {
+	return &actThenRecord{onLoser: onLoser, done: map[string][2]string{}, running: map[string]*overlap{}}
+}
+
+func (s *actThenRecord) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodGet && r.URL.Path == "/effects" {
+		fmt.Fprintf(w, `{"executions":%d}`, s.execs.Load())
+		return
+	}
+	key, err := httpidem.ParseKey(r.Header.Values("Idempotency-Key"), httpidem.KeyAny)
+	if err != nil {
+		problem(w, 400, "key-invalid")
+		return
+	}
+	key = r.Header.Get("Authorization") + "\x00" + key
+	body, _ := io.ReadAll(r.Body)
+	replay := func(st [2]string) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Idempotent-Replayed", "true")
+		w.WriteHeader(201)
+		io.WriteString(w, st[1])
+	}
+	s.mu.Lock()
+	st, ok := s.done[key]
+	o := s.running[key]
+	if o == nil {
+		o = &overlap{both: make(chan struct{})}
+		s.running[key] = o
+	}
+	if !ok {
+		if o.n++; o.n == 2 {
+			close(o.both)
+		}
+	}
+	s.mu.Unlock()
+	if ok {
+		if st[0] != string(body) {
+			problem(w, 422, "mismatch")
+			return
+		}
+		replay(st)
+		return
+	}
+	select { // the side effect, unprotected
+	case <-o.both:
+	case <-time.After(500 * time.Millisecond):
+	}
+	resp := fmt.Sprintf(`{"execution":%d}`, s.execs.Add(1))
+	s.mu.Lock()
+	if st, ok := s.done[key]; ok { // lost the race
+		s.mu.Unlock()
+		if s.onLoser == "409" {
+			problem(w, 409, "in-progress")
+		} else {
+			replay(st)
+		}
+		return
+	}
+	s.done[key] = [2]string{string(body), resp}
+	s.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(201)
+	io.WriteString(w, resp)
+}
+
+// TestConcurrentPassSaysWhatAnswersCannotShow: an endpoint that runs every
+// duplicate and answers the losers with 409 or the winner's stored answer
+// gives nothing away in its answers; the check passes it, and says so.
+// (It passed with "one outcome …; a later retry replayed it", no word of
+// what it could not see.)
+func TestConcurrentPassSaysWhatAnswersCannotShow(t *testing.T) {
+	s := newActThenRecord("replay")
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"amount":100}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["concurrent-duplicates"]; c.Result != verify.Pass || !strings.Contains(c.Detail, "answers alone cannot show") {
+		t.Fatalf("concurrent-duplicates: %+v; want a pass that names its blind spot", c)
+	}
+}
+
+// TestEffectsProbeCatchesARunPerDuplicate: with an effects URL, the same
+// endpoint fails: its executions moved by more than one run's. (Every check
+// passed, though it ran 14 times for 5.)
+func TestEffectsProbeCatchesARunPerDuplicate(t *testing.T) {
+	for _, loser := range []string{"409", "replay"} {
+		t.Run(loser, func(t *testing.T) {
+			s := newActThenRecord(loser)
+			srv := httptest.NewServer(s)
+			defer srv.Close()
+			rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"amount":100}`, EffectsURL: srv.URL + "/effects"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := results(rep)["concurrent-duplicates"]
+			if c.Result != verify.Fail || !strings.Contains(c.Detail, "/executions moved by") || !strings.Contains(c.Detail, "one run moves it by 1") {
+				t.Fatalf("concurrent-duplicates: %+v; want a failure naming the executions", c)
+			}
+		})
+	}
+}
+
+// TestEffectsProbeAgainstTheMiddleware: the middleware's duplicates move
+// the effects as one run does; a probe that no run moves is said to show
+// nothing, not passed.
+func TestEffectsProbeAgainstTheMiddleware(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+	var n atomic.Int64
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/charges", mw.Wrap(charge(&n)))
+	mux.HandleFunc("GET /effects", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, `{"customer":"cus_1","charges":[%s],"sum":%d}`, strings.TrimSuffix(strings.Repeat("{},", int(n.Load())), ","), -100*n.Load())
+	})
+	mux.HandleFunc("GET /constant", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{"ok":1}`) })
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	for path, want := range map[string]string{"/effects": "moved as one run moves them", "/constant": "did not change when one request ran"} {
+		rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL + "/v1/charges", Body: `{"amount":100}`, EffectsURL: srv.URL + path})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := results(rep)["concurrent-duplicates"]
+		if wantResult := map[string]verify.Result{"/effects": verify.Pass, "/constant": verify.Fail}[path]; c.Result != wantResult || !strings.Contains(c.Detail, want) {
+			t.Errorf("%s: concurrent-duplicates: %+v; want %s saying %q", path, c, wantResult, want)
+		}
+	}
+}
+
+// TestConcurrentCountsAReleasedAnswerAsNoOutcome: the duplicate that runs
+// first answers 503 (nothing happened, the key released, as the demo does
+// when its acquirer is busy), and a waiting duplicate then runs and gets
+// 201. That is the contract. (It failed: "got 2 different answers: it ran
+// more than once".)
+func TestConcurrentCountsAReleasedAnswerAsNoOutcome(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+	var n, calls atomic.Int64
+	srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 3 { // the concurrent check's first execution (replay: 1, payload-mismatch: 2)
+			httpidem.NothingHappened(r)
+			problem(w, 503, "acquirer-unavailable")
+			return
+		}
+		charge(&n)(w, r)
+	})))
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"amount":100}`, RequireKey: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["concurrent-duplicates"]; c.Result != verify.Pass {
+		t.Fatalf("concurrent-duplicates: %+v; want a pass", c)
+	}
+}
+
+// wedged: duplicates that arrive together all back off with 409 and leave
+// the key in progress for good; a lone request works.
+type wedged struct {
+	mu       sync.Mutex
+	inflight map[string]int
+	stuck    map[string]bool
+	done     map[string]string
+	n        atomic.Int64
+}
+
+func (s *wedged) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	key, err := httpidem.ParseKey(r.Header.Values("Idempotency-Key"), httpidem.KeyAny)
+	if err != nil {
+		problem(w, 400, "key-invalid")
+		return
+	}
+	body, _ := io.ReadAll(r.Body)
+	s.mu.Lock()
+	if resp, ok := s.done[key]; ok {
+		s.mu.Unlock()
+		if !strings.HasPrefix(resp, string(body)) {
+			problem(w, 422, "mismatch")
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Idempotent-Replayed", "true")
+		w.WriteHeader(201)
+		io.WriteString(w, resp)
+		return
+	}
+	if s.stuck[key] {
+		s.mu.Unlock()
+		problem(w, 409, "in-progress")
+		return
+	}
+	s.inflight[key]++
+	s.mu.Unlock()
+	time.Sleep(30 * time.Millisecond) // the work; duplicates sent at once overlap
+	s.mu.Lock()
+	if s.inflight[key] > 1 || s.stuck[key] { // "a conflict": everyone backs off, the key stays taken
+		s.stuck[key] = true
+		s.mu.Unlock()
+		problem(w, 409, "in-progress")
+		return
+	}
+	resp := fmt.Sprintf(`%s{"execution":%d}`, body, s.n.Add(1))
+	s.done[key] = resp
+	s.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(201)
+	io.WriteString(w, resp)
+}
+
+// TestConcurrentFailsWhenNoDuplicateGotAnOutcome: every duplicate got 409
+// and the key stays taken for good. (It passed: "one outcome (0 replayed
+// it, 10 got 409); a later retry replayed it", though the retry got 409.)
+func TestConcurrentFailsWhenNoDuplicateGotAnOutcome(t *testing.T) {
+	s := &wedged{inflight: map[string]int{}, stuck: map[string]bool{}, done: map[string]string{}}
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"amount":100}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["concurrent-duplicates"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "got an outcome") {
+		t.Fatalf("concurrent-duplicates: %+v; want a failure: no duplicate got an outcome", c)
+	}
+}
+
+// TestStoredDeclineIsAnOutcome: a 4xx the endpoint stores and replays (a
+// declined card's 402) is an outcome, not a refusal: every check runs and
+// passes. (The run stopped at the first request with ErrRefused.)
+func TestStoredDeclineIsAnOutcome(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true, Scope: httpidem.HashScope("Authorization")})
+	var n atomic.Int64
+	srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(20 * time.Millisecond) // real work takes a while: duplicates overlap
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusPaymentRequired)
+		fmt.Fprintf(w, `{"id":"ch_%d","status":"declined"}`, n.Add(1))
+	})))
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"amount":100}`, RequireKey: true,
+		Credentials: []string{"Bearer alice", "Bearer bob"}})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	for _, c := range rep.Checks {
+		if c.Result != verify.Pass {
+			t.Errorf("%s: %s: %s", c.Name, c.Result, c.Detail)
+		}
+	}
+}
+
+// TestURLPasswordIsNotPrinted: a password in the URL is in no report and no
+// error. (It was printed in Report.URL and in ErrUnreachable and ErrRefused.)
+func TestURLPasswordIsNotPrinted(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close()
+	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		problem(w, 400, "invalid")
+	}))
+	defer refusing.Close()
+	for name, addr := range map[string]string{"unreachable": closed, "refused": strings.TrimPrefix(refusing.URL, "http://")} {
+		rep, err := verify.Run(context.Background(), verify.Config{URL: "http://alice:s3cr3t-pw@" + addr + "/v1/charges"})
+		printed := fmt.Sprint(rep, err)
+		if err == nil || strings.Contains(printed, "s3cr3t") || !strings.Contains(rep.URL, "alice:xxxxx@") {
+			t.Errorf("%s: report %+v, error %v; want an error and the password in neither", name, rep, err)
+		}
+	}
+}
+
+// TestEachRequestIsBounded: with a client that has no timeout of its own,
+// an endpoint that takes requests and never answers ends the run with
+// ErrUnreachable after Timeout. (Run never returned.)
+func TestEachRequestIsBounded(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	defer srv.Close()
+	defer close(release) // before Close, which waits for the handlers
+	type result struct {
+		rep verify.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Client: &http.Client{}, Timeout: 200 * time.Millisecond})
+		done <- result{rep, err}
+	}()
+	select {
+	case got := <-done:
+		if !errors.Is(got.err, verify.ErrUnreachable) || len(got.rep.Checks) != 1 {
+			t.Fatalf("Run = %+v, %v; want one failed check and ErrUnreachable", got.rep, got.err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return within 10 s against an endpoint that never answers")
+	}
+}

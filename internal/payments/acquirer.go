@@ -1,6 +1,7 @@
 package payments
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,7 +14,11 @@ import (
 // Faults make the simulated acquirer fail the way real ones do. Rates are
 // fractions of authorizations, drawn independently.
 type Faults struct {
-	// Latency is added to every authorization.
+	// Latency is added to every authorization, before it charges. A caller
+	// that is gone before then (its timeout ran out) gets nothing charged,
+	// as if the connection had been reset: an authorization its caller gave
+	// up on never charges later, after the reconciler has asked about it
+	// and settled it FAILED, which a retry would then charge again.
 	Latency Duration `json:"latency"`
 	// Decline is the share of authorizations declined (an answer, not a fault).
 	Decline float64 `json:"decline"`
@@ -87,6 +92,7 @@ type AcquirerStats struct {
 	LostReplies    int `json:"lost_replies"`
 	DuplicateKeys  int `json:"duplicate_keys"`  // authorizations for a key already charged
 	ReplayedByKeys int `json:"replayed_by_key"` // of those, answered from the first (Dedupe)
+	Abandoned      int `json:"abandoned"`       // authorizations whose caller was gone before the charge: nothing charged
 }
 
 // Acquirer is a simulated card acquirer: POST /authorize charges, GET
@@ -96,7 +102,8 @@ type AcquirerStats struct {
 // With Dedupe (what real acquirers do), a second authorization with a key
 // already charged returns the first charge. Without it, every authorization
 // that reaches it charges again — which is how the chaos test shows that
-// idem alone never sends a charge twice.
+// idem alone never sends a charge twice. An authorization whose caller is
+// gone before it charges (see [Faults.Latency]) charges nothing.
 type Acquirer struct {
 	mu       sync.Mutex
 	faults   Faults
@@ -204,7 +211,9 @@ func (a *Acquirer) authorize(w http.ResponseWriter, r *http.Request) {
 	unavailable, resetBefore, lostReply, decline := roll(f.Unavailable), roll(f.ResetBefore), roll(f.LostReply), roll(f.Decline)
 	a.mu.Unlock()
 
-	time.Sleep(time.Duration(f.Latency))
+	if !a.wait(r.Context(), time.Duration(f.Latency)) {
+		return
+	}
 	switch {
 	case unavailable:
 		a.count(func(s *AcquirerStats) { s.Unavailable++ })
@@ -217,6 +226,11 @@ func (a *Acquirer) authorize(w http.ResponseWriter, r *http.Request) {
 	}
 
 	a.mu.Lock()
+	if r.Context().Err() != nil { // the caller is gone: nothing is charged
+		a.stats.Abandoned++
+		a.mu.Unlock()
+		return
+	}
 	var p *Payment
 	if prior := a.byKey[req.Key]; len(prior) > 0 {
 		a.stats.DuplicateKeys++
@@ -247,6 +261,24 @@ func (a *Acquirer) authorize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, answer)
+}
+
+// wait is the latency d, cut short by a caller that goes away: false, and
+// counted as abandoned, when it did.
+func (a *Acquirer) wait(ctx context.Context, d time.Duration) bool {
+	if d > 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+	}
+	if ctx.Err() != nil {
+		a.count(func(s *AcquirerStats) { s.Abandoned++ })
+		return false
+	}
+	return true
 }
 
 func (a *Acquirer) count(f func(*AcquirerStats)) {

@@ -17,6 +17,7 @@ import (
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store/sqlitestore"
 	"github.com/idemhq/idem/store/storetest"
+	"github.com/idemhq/idem/verify"
 )
 
 type fixture struct {
@@ -25,6 +26,9 @@ type fixture struct {
 	svc   *payments.Service
 	eng   *idem.Engine
 	clock *storetest.Clock
+	// authorized receives when the acquirer has done with an authorization
+	// (charged, answered, dropped or given up on it).
+	authorized chan struct{}
 }
 
 func newFixture(t *testing.T) *fixture {
@@ -37,7 +41,18 @@ func newFixture(t *testing.T) *fixture {
 	clock := storetest.NewClock(time.Now())
 	eng, _ := idem.New(idem.Config{Store: store, Clock: clock})
 	acq := payments.NewAcquirer(false, 1)
-	acqSrv := httptest.NewServer(acq)
+	authorized := make(chan struct{}, 64)
+	acqSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/authorize" {
+			defer func() {
+				select {
+				case authorized <- struct{}{}:
+				default: // nobody is counting
+				}
+			}()
+		}
+		acq.ServeHTTP(w, r)
+	}))
 	t.Cleanup(acqSrv.Close)
 	db, err := payments.NewDB(store)
 	if err != nil {
@@ -57,7 +72,7 @@ func newFixture(t *testing.T) *fixture {
 	}
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)
-	return &fixture{acq: acq, api: api, svc: svc, eng: eng, clock: clock}
+	return &fixture{acq: acq, api: api, svc: svc, eng: eng, clock: clock, authorized: authorized}
 }
 
 func (f *fixture) do(t *testing.T, method, path, key, body string) (int, map[string]any) {
@@ -222,5 +237,73 @@ func TestFaultsEndpoint(t *testing.T) {
 	json.NewDecoder(resp.Body).Decode(&got)
 	if got["latency"] != "2ms" || got["decline"] != 0.5 {
 		t.Fatalf("faults after refused changes: %v", got)
+	}
+}
+
+// TestCallerGoneBeforeTheChargeIsNotCharged: an authorization slower than
+// the service's timeout is given up on; the reconciler, asking the acquirer,
+// finds no charge and settles the record FAILED, and the retry charges. The
+// acquirer must not charge the abandoned authorization after that: the card
+// would be charged twice for one key. (Its latency ignored the caller, so
+// the abandoned authorization charged once its latency was over: "charged
+// 2 times at the acquirer for one key".)
+func TestCallerGoneBeforeTheChargeIsNotCharged(t *testing.T) {
+	f := newFixture(t) // AcquirerTimeout 1s; an acquirer without Dedupe
+	f.acq.SetFaults(payments.Faults{Latency: payments.Duration(2500 * time.Millisecond)})
+	body := `{"amount":700,"currency":"usd","customer":"cus_9"}`
+	if code, _ := f.do(t, "POST", "/v1/charges", "k", body); code != 502 {
+		t.Fatalf("an authorization slower than the timeout: %d; want 502", code)
+	}
+	f.acq.SetFaults(payments.Faults{})
+	r, _ := reconcile.New(reconcile.Config{Engine: f.eng, Resolver: f.svc, Grace: time.Second, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	f.clock.Advance(time.Second)
+	if rep, err := r.RunOnce(context.Background()); err != nil || rep.Failed != 1 {
+		t.Fatalf("reconcile: %+v, %v; want the record settled FAILED", rep, err)
+	}
+	select { // the abandoned authorization is over, one way or the other
+	case <-f.authorized:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the acquirer never finished the abandoned authorization")
+	}
+	if code, ch := f.do(t, "POST", "/v1/charges", "k", body); code != 201 {
+		t.Fatalf("retry: %d %v; want 201", code, ch)
+	}
+	if s := f.acq.Stats(); s.Charges != 1 || s.DuplicateKeys != 0 || s.Abandoned != 1 {
+		t.Errorf("acquirer: %+v; want one charge, and the authorization given up on abandoned", s)
+	}
+	if _, b := f.do(t, "GET", "/v1/customers/cus_9/balance", "", ""); b["balance"] != -700.0 || b["debits"] != 1.0 {
+		t.Errorf("balance: %v; want one debit of 700", b)
+	}
+}
+
+// TestVerifyPassesAgainstTheService: idem verify passes the service, its
+// concurrent check reading the customer's balance as the side effects; and
+// a declined charge, which the service stores and replays as 402, is an
+// outcome the checks go on with.
+func TestVerifyPassesAgainstTheService(t *testing.T) {
+	for name, faults := range map[string]payments.Faults{"approved": {}, "declined": {Decline: 1}} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			f.acq.SetFaults(faults)
+			rep, err := verify.Run(context.Background(), verify.Config{
+				URL: f.api.URL + "/v1/charges", Body: `{"amount":1000,"currency":"eur","customer":"cus_v"}`, RequireKey: true,
+				Header: http.Header{"Authorization": {"Bearer sk_a"}}, Credentials: []string{"Bearer sk_a", "Bearer sk_b"},
+				EffectsURL: f.api.URL + "/v1/customers/cus_v/balance",
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, c := range rep.Checks {
+				want := verify.Pass
+				if name == "declined" && c.Name == "concurrent-duplicates" {
+					want = verify.Fail // a decline debits nothing: the balance cannot show a run
+				}
+				if c.Result != want {
+					t.Errorf("%s: %s: %s; want %s", c.Name, c.Result, c.Detail, want)
+				} else {
+					t.Logf("%s: %s: %s", c.Name, c.Result, c.Detail)
+				}
+			}
+		})
 	}
 }
