@@ -174,7 +174,7 @@ func flagError(fs *flag.FlagSet, err error) string {
 	var value, name string
 	if _, err := fmt.Sscanf(strings.Replace(msg, "invalid boolean value", "invalid value", 1), "invalid value %q for flag -%s", &value, &name); err == nil {
 		name = strings.TrimSuffix(name, ":")
-		want := msg[strings.LastIndex(msg, ": ")+2:]
+		_, want, _ := strings.Cut(msg, " for flag -"+name+": ")
 		if g, ok := fs.Lookup(name).Value.(flag.Getter); ok {
 			switch g.Get().(type) {
 			case time.Duration:
@@ -184,6 +184,9 @@ func flagError(fs *flag.FlagSet, err error) string {
 			case bool:
 				want = "want true or false"
 			}
+		}
+		if _, ok := fs.Lookup(name).Value.(interface{ secret() }); ok {
+			return fmt.Sprintf("--%s: %s", name, want)
 		}
 		return fmt.Sprintf("--%s %q: %s", name, value, want)
 	}

@@ -38,10 +38,14 @@ func printKeysUsage(w io.Writer) {
 type headerFlags http.Header
 
 func (h headerFlags) String() string { return "" }
+
+// secret says that a header's value is not repeated in an error: it is
+// often a credential.
+func (h headerFlags) secret() {}
 func (h headerFlags) Set(v string) error {
 	name, value, ok := strings.Cut(v, ":")
 	if !ok || strings.TrimSpace(name) == "" {
-		return fmt.Errorf("%q: want 'Name: value'", v)
+		return errors.New("want Name: value (a name, a colon, then the value)")
 	}
 	http.Header(h).Add(strings.TrimSpace(name), strings.TrimSpace(value))
 	return nil

@@ -280,3 +280,12 @@ func TestKeysResolveNamesItsRecordAndKeepsItsOutcome(t *testing.T) {
 		t.Fatalf("keys resolve --retention forever: %d %s; want a usage error", code, errOut)
 	}
 }
+
+// TestHeaderFlagErrorShowsNoValue: a --header written without its colon is
+// refused without quoting it: it is often a credential.
+func TestHeaderFlagErrorShowsNoValue(t *testing.T) {
+	code, _, errOut := run(t, "verify", "--url", "http://127.0.0.1:1/x", "--header", "Authorization Bearer sk_live_SECRET")
+	if code != 2 || strings.Contains(errOut, "sk_live_SECRET") || !strings.Contains(errOut, "--header: want Name: value") {
+		t.Fatalf("%d %s; want a usage error that does not quote the header", code, errOut)
+	}
+}
