@@ -23,13 +23,14 @@ func FreePort(tb testing.TB) string {
 
 // StartRedis runs a Redis server of the test's own on port of loopback,
 // without persistence, for a test that changes the server's settings or
-// stops it; it is killed when the test ends. The test is skipped, as every
-// Redis test is, without IDEM_TEST_REDIS_URL.
-func StartRedis(tb testing.TB, port string) *exec.Cmd {
+// stops it, with the extra arguments args (settings CONFIG SET cannot
+// change, such as cluster-enabled); it is killed when the test ends. The
+// test is skipped, as every Redis test is, without IDEM_TEST_REDIS_URL.
+func StartRedis(tb testing.TB, port string, args ...string) *exec.Cmd {
 	tb.Helper()
 	Server(tb, "IDEM_TEST_REDIS_URL")
-	cmd := exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", tb.TempDir())
+	cmd := exec.Command("redis-server", append([]string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", tb.TempDir()}, args...)...)
 	if err := cmd.Start(); err != nil {
 		tb.Fatal(err)
 	}

@@ -3,7 +3,6 @@ package redisstore
 import (
 	"context"
 	"errors"
-	"net"
 	"os/exec"
 	"strings"
 	"testing"
@@ -15,34 +14,11 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// startRedisWith runs a Redis server of the test's own on port of loopback,
-// like testkit.StartRedis but with the extra arguments args (settings that
-// CONFIG SET cannot change, such as cluster-enabled). It is killed when the
-// test ends, and the returned command lets the test kill it sooner.
-func startRedisWith(tb testing.TB, port string, args ...string) *exec.Cmd {
-	tb.Helper()
-	testkit.Server(tb, "IDEM_TEST_REDIS_URL")
-	cmd := exec.Command("redis-server", append([]string{"--port", port, "--bind", "127.0.0.1", "--save", "",
-		"--appendonly", "no", "--dir", tb.TempDir()}, args...)...)
-	if err := cmd.Start(); err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	wait.Until(tb, 10*time.Second, "redis-server to listen", func() bool {
-		c, err := net.Dial("tcp", "127.0.0.1:"+port)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	})
-	return cmd
-}
-
 // ownRedis starts a Redis of the test's own and returns a client of it.
 func ownRedis(t *testing.T, args ...string) (*redis.Client, string, *exec.Cmd) {
 	t.Helper()
 	port := testkit.FreePort(t)
-	cmd := startRedisWith(t, port, args...)
+	cmd := testkit.StartRedis(t, port, args...)
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port})
 	t.Cleanup(func() { client.Close() })
 	return client, port, cmd
