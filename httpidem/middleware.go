@@ -31,6 +31,7 @@
 package httpidem
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"context"
@@ -40,6 +41,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -117,7 +119,21 @@ func (w *ignoredWriter) Flush() {
 	http.NewResponseController(w.ResponseWriter).Flush()
 }
 
-// Unwrap gives http.ResponseController the writer beneath (to hijack it).
+// ReadFrom writes the header first, as Write does, then copies r.
+func (w *ignoredWriter) ReadFrom(r io.Reader) (int64, error) {
+	if !w.wrote {
+		w.WriteHeader(http.StatusOK)
+	}
+	return io.Copy(w.ResponseWriter, r)
+}
+
+// Hijack hands the connection over, as the writer beneath does (a
+// WebSocket upgrader asks for an http.Hijacker).
+func (w *ignoredWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return http.NewResponseController(w.ResponseWriter).Hijack()
+}
+
+// Unwrap gives http.ResponseController the writer beneath.
 func (w *ignoredWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // InProgressRetryAfter is the Retry-After of a 409 in-progress answer.

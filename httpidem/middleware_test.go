@@ -969,3 +969,24 @@ func TestIgnoredSurvivesInformationalResponses(t *testing.T) {
 		}
 	}
 }
+
+// TestIgnoredKeepsTheWritersInterfaces: the writer of an answer whose key
+// is not honoured is still an http.Hijacker (a WebSocket upgrader checks
+// for one): wrapping it to set Idempotent-Ignored hid it, and the upgrade
+// failed.
+func TestIgnoredKeepsTheWritersInterfaces(t *testing.T) {
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, ok := w.(http.Hijacker); !ok {
+			http.Error(w, "no Hijacker", http.StatusInternalServerError)
+			return
+		}
+		if _, ok := w.(io.ReaderFrom); !ok {
+			http.Error(w, "no ReaderFrom", http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	if r := send(t, srv, "GET", "/ws", "k", ""); r.status != http.StatusNoContent || r.header.Get(httpidem.HeaderIgnored) == "" {
+		t.Fatalf("%d %s; want 204 from a handler that found the writer's interfaces, saying the key was ignored", r.status, r.body)
+	}
+}
