@@ -43,7 +43,7 @@ var settingHelp = map[string]string{
 	"console_read_only":   "serve the console with no action, and no token needed",
 	"console_mask":        "hide keys and stored bodies in the console",
 	"audit_log":           "`file` the console's actions are appended to",
-	"upstream_timeout":    "bounds sending the request, then the wait for the response headers, then for each part of its body; past it the outcome is unknown",
+	"upstream_timeout":    "bounds each stall in sending the request, then the wait for the response headers, then for each part of its body; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
 	"lease":               "lease length, renewed while the upstream works",
 	"retention":           "how long outcomes are replayed",

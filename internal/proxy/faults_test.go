@@ -387,3 +387,32 @@ func TestUpgradePassesThrough(t *testing.T) {
 		t.Fatalf("the keyed upgrade's record is unknown, though the upstream answered")
 	}
 }
+
+// TestSteadyUploadOutlastsTheTimeout: upstream_timeout bounds a stall in
+// sending a request, not the whole of a steady upload: one that keeps
+// going for longer passes (it was cut at upstream_timeout, 504).
+func TestSteadyUploadOutlastsTheTimeout(t *testing.T) {
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		b, _ := io.ReadAll(r.Body)
+		w.Write([]byte(strconv.Itoa(len(b))))
+	}}
+	srv := start(t, proxy.Config{UpstreamTimeout: 300 * time.Millisecond}, mustEngine(t, memstore.New()), up)
+	pr, pw := io.Pipe()
+	go func() {
+		for range 10 { // a second in all, a part every 100 ms: never a stall of 300 ms
+			pw.Write([]byte("0123456789"))
+			time.Sleep(100 * time.Millisecond)
+		}
+		pw.Close()
+	}()
+	req, _ := http.NewRequest("POST", srv.URL+"/upload", pr) // no key: streamed through
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || string(b) != "100" {
+		t.Fatalf("%d %q; want the upstream's 200 for all 100 bytes", resp.StatusCode, b)
+	}
+}

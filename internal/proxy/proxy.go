@@ -128,9 +128,10 @@ type Config struct {
 	// AuditLog is the file the console's actions are appended to. Defaults
 	// to none: the audit log is kept in memory only.
 	AuditLog string `yaml:"audit_log"`
-	// UpstreamTimeout bounds sending a request to the upstream, then the
-	// wait for its response headers, then for each part of its body; past
-	// it the outcome is unknown.
+	// UpstreamTimeout bounds each stall in sending a request to the
+	// upstream (a steady upload may last longer), then the wait for its
+	// response headers, then for each part of its body; past it the
+	// outcome is unknown.
 	// Defaults to [DefaultUpstreamTimeout].
 	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
@@ -467,10 +468,35 @@ func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 // in its context under attemptKey.
 type attempt struct {
 	sent     atomic.Bool // its headers were written: the upstream may have acted
-	timedOut atomic.Bool // writing it took longer than the timeout
+	timedOut atomic.Bool // sending it stalled for the timeout
+	answered atomic.Bool // its response has come: sending it is no longer bounded here
 	// cancel ends it; its response's body calls it when the upstream stops
 	// sending the body (see stallingBody).
 	cancel context.CancelFunc
+	// sending fires when sending the request has stalled for the timeout:
+	// its headers not written, or no part of its body taken (see
+	// sendingBody).
+	sending *time.Timer
+}
+
+// sendingBody is a request's body on its way to the upstream: each part
+// the transport takes restarts the attempt's timer, and the time it waits
+// for the client's bytes does not count, so the timer fires only when the
+// upstream stops taking the body (a frozen process whose kernel accepted
+// the connection), not on a long, steady upload.
+type sendingBody struct {
+	io.ReadCloser
+	a       *attempt
+	timeout time.Duration
+}
+
+func (b *sendingBody) Read(p []byte) (int, error) {
+	b.a.sending.Stop()
+	n, err := b.ReadCloser.Read(p)
+	if !b.a.answered.Load() {
+		b.a.sending.Reset(b.timeout)
+	}
+	return n, err
 }
 
 type attemptKey struct{}
@@ -539,25 +565,39 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			pr.Out.Host = pr.In.Host
 			neverResent(pr.Out)
 			a := new(attempt)
-			ctx, cancel := context.WithCancel(pr.Out.Context()) // ended with the request's, by stallingBody, or by writing
+			ctx, cancel := context.WithCancel(pr.Out.Context()) // ended with the request's, by stallingBody, or by a stalled send
 			a.cancel = cancel
 			// Sending the request is bounded as waiting for its answer is
 			// (the transport's timeout starts once the body is written): an
-			// upstream that does not read would hold it, and its key, for
+			// upstream that does not take it would hold it, and its key, for
 			// as long as the connection stays open.
-			writing := time.AfterFunc(timeout, func() { a.timedOut.Store(true); cancel() })
+			a.sending = time.AfterFunc(timeout, func() {
+				if !a.answered.Load() {
+					a.timedOut.Store(true)
+					cancel()
+				}
+			})
+			context.AfterFunc(ctx, func() { a.sending.Stop() })
+			if pr.Out.Body != nil && pr.Out.Body != http.NoBody {
+				pr.Out.Body = &sendingBody{ReadCloser: pr.Out.Body, a: a, timeout: timeout}
+			}
 			ctx = context.WithValue(ctx, attemptKey{}, a)
 			ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 				WroteHeaders: func() { a.sent.Store(true) },
-				WroteRequest: func(httptrace.WroteRequestInfo) { writing.Stop() },
+				WroteRequest: func(httptrace.WroteRequestInfo) { a.sending.Stop() },
 			})
 			pr.Out = pr.Out.WithContext(ctx)
 		},
 		ModifyResponse: func(res *http.Response) error {
+			a, ok := res.Request.Context().Value(attemptKey{}).(*attempt)
+			if ok {
+				a.answered.Store(true)
+				a.sending.Stop()
+			}
 			if res.StatusCode == http.StatusSwitchingProtocols {
 				return nil // a tunnel (a WebSocket): its body is the connection, idle as long as it likes
 			}
-			if a, ok := res.Request.Context().Value(attemptKey{}).(*attempt); ok {
+			if ok {
 				res.Body = &stallingBody{ReadCloser: res.Body, timeout: timeout, timer: time.AfterFunc(timeout, a.cancel)}
 			}
 			return nil
