@@ -99,6 +99,9 @@ var (
 	ErrInvalid = store.ErrInvalid
 	// ErrUnavailable: the store could not be reached or did not answer.
 	ErrUnavailable = store.ErrUnavailable
+	// ErrDenied: the store refused access; it comes with ErrUnavailable,
+	// and is never a reason to fail open.
+	ErrDenied = store.ErrDenied
 )
 
 // KeyHash names a record without revealing its key: every component logs

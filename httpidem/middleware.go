@@ -212,9 +212,10 @@ type Config struct {
 	Retention time.Duration `yaml:"retention"`
 	// FailOpen runs the handler unprotected when the store cannot be
 	// reached (an error wrapping [idem.ErrUnavailable]), instead of
-	// answering 503; never when the store answered with an error of
-	// another kind, such as a record it cannot read. Defaults to false:
-	// fail closed.
+	// answering 503; never when the store answered, with an error of
+	// another kind (a record it cannot read) or refusing access
+	// ([idem.ErrDenied]: a password or permission rotated). Defaults to
+	// false: fail closed.
 	FailOpen bool `yaml:"fail_open"`
 	// Logger receives a line per problem. Keys are logged as a hash, never
 	// as sent. Defaults to slog.Default().
@@ -540,7 +541,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// Fail open only when the store could not be reached: a store that
 		// answered with an error (a record it cannot read) may hold an
 		// outcome, and running the handler again would run it twice.
-		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && r.Context().Err() == nil {
+		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && !errors.Is(err, idem.ErrDenied) && r.Context().Err() == nil {
 			m.observe(r, ObservedFailOpen)
 			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
 			next.ServeHTTP(Ignored(w, "the idempotency store could not be reached: the request ran without idempotency (fail-open)"), r)

@@ -62,6 +62,13 @@ var (
 	// ErrUnavailable: the store could not be reached or did not answer. The
 	// operation's outcome is not known; callers must fail closed.
 	ErrUnavailable = errors.New("idem: store unavailable")
+	// ErrDenied: the store was reached but refused the caller's
+	// credentials or permissions (a password or an ACL rotated). Stores
+	// wrap it together with [ErrUnavailable], since the call may succeed
+	// once access is restored (an outcome is kept to try again); it is
+	// never a reason to fail open, since the store, reached, may hold the
+	// record.
+	ErrDenied = errors.New("idem: store refused access")
 )
 
 // MaxKeyLen is the longest idempotency key accepted, in bytes.

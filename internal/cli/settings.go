@@ -70,7 +70,7 @@ var settingHelp = map[string]string{
 	"store_headers":       "store and replay only these response `header`s (repeatable)",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
-	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read)",
+	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read or access refused)",
 }
 
 // zeroMeans says what a setting left empty means, where that is not

@@ -486,8 +486,8 @@ func TestOutageCodesUnavailable(t *testing.T) {
 			t.Fatal(err)
 		}
 		err = s.Finish(ctx, complete)
-		if !errors.Is(err, idem.ErrUnavailable) {
-			t.Errorf("credentials failing with %s: Finish: %v, want ErrUnavailable", code, err)
+		if !errors.Is(err, idem.ErrUnavailable) || errors.Is(err, idem.ErrDenied) {
+			t.Errorf("credentials failing with %s: Finish: %v, want ErrUnavailable (DynamoDB never reached: not ErrDenied)", code, err)
 		}
 		if n := c.n.Load(); n != 0 {
 			t.Errorf("credentials failing with %s: %d requests sent", code, n)
@@ -514,6 +514,10 @@ func TestOutageCodesUnavailable(t *testing.T) {
 		err = s.Finish(ctx, complete)
 		if errors.Is(err, idem.ErrUnavailable) != want || err == nil {
 			t.Errorf("%s: Finish: %v, want ErrUnavailable %v", code, err, want)
+		}
+		// DynamoDB refusing the credentials was reached: no reason to fail open.
+		if isDenied := code == "ExpiredTokenException" || code == "UnrecognizedClientException" || code == "AccessDeniedException"; errors.Is(err, idem.ErrDenied) != isDenied {
+			t.Errorf("%s: Finish: %v, want ErrDenied %v", code, err, isDenied)
 		}
 		if c.n.Load() == 0 {
 			t.Errorf("%s: no request sent", code)

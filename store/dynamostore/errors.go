@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/aws/aws-sdk-go-v2/service/dynamodb"
 	"github.com/aws/aws-sdk-go-v2/service/dynamodb/types"
 
 	"github.com/idemhq/idem/store"
@@ -47,6 +48,34 @@ var finalCodes = map[string]bool{
 	"ItemCollectionSizeLimitExceededException": true, // a local index's 10 GB (the table has none)
 }
 
+// deniedCodes are the codes of DynamoDB refusing the request's credentials
+// or permissions.
+var deniedCodes = map[string]bool{
+	"AccessDeniedException":               true,
+	"UnrecognizedClientException":         true,
+	"InvalidSignatureException":           true,
+	"MissingAuthenticationTokenException": true,
+	"IncompleteSignatureException":        true,
+	"ExpiredTokenException":               true,
+}
+
+// denied reports whether err is DynamoDB itself refusing the request's
+// credentials or permissions: it was reached, and may hold the record (see
+// [store.ErrDenied]). A credential source that failed (STS) before the
+// request could be signed never reached DynamoDB, and is not.
+func denied(err error) bool {
+	var api apiError
+	if !errors.As(err, &api) || !deniedCodes[api.ErrorCode()] {
+		return false
+	}
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if op, ok := e.(interface{ Service() string }); ok && op.Service() != dynamodb.ServiceID {
+			return false // the refusal of another service (STS), on the way to DynamoDB
+		}
+	}
+	return true
+}
+
 // translate turns an SDK error into the vocabulary of package idem at the
 // store's edge. An answer that is DynamoDB's verdict on the request itself
 // (finalCodes) is final: a missing table wraps [ErrTableNotFound], an item
@@ -68,6 +97,8 @@ func translate(table, op string, err error) error {
 		return fmt.Errorf("dynamostore: %s: %w", op, err)
 	case errors.As(err, &notFound):
 		return fmt.Errorf("%w: %q (%s; create it with dynamostore.CreateTable): %w", ErrTableNotFound, table, op, err)
+	case denied(err):
+		return fmt.Errorf("dynamostore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
 	case unavailable(err):
 		return fmt.Errorf("dynamostore: %s: %w: %w", op, store.ErrUnavailable, err)
 	case errors.As(err, &api) && api.ErrorCode() == "ValidationException" &&

@@ -15,15 +15,32 @@ import (
 
 // translate turns a driver error into the root package's vocabulary at the
 // store's edge. Errors that mean the server could not be reached or did not
-// answer wrap [store.ErrUnavailable]; every other error is wrapped with the
-// operation's name. The driver's error stays in the chain (for logs and for
+// answer wrap [store.ErrUnavailable]; a refusal of the role's login or
+// privileges wraps it and [store.ErrDenied]; every other error is wrapped
+// with the operation's name. The driver's error stays in the chain (for logs and for
 // errors.Is with context.Canceled or context.DeadlineExceeded), but no pgx
 // type is part of the API.
 func translate(op string, err error) error {
-	if unavailable(err) {
+	switch {
+	case denied(err):
+		return fmt.Errorf("pgstore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
+	case unavailable(err):
 		return fmt.Errorf("pgstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("pgstore: %s: %w", op, err)
+}
+
+// denied reports whether err is the server refusing the role: its login
+// (class 28: a password or a role rotated) or its privileges on the
+// records (42501: a grant revoked). The server was reached, and may hold
+// the record (see [store.ErrDenied]); the call may succeed once access is
+// restored.
+func denied(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return strings.HasPrefix(pgErr.Code, "28") || pgErr.Code == "42501"
+	}
+	return false
 }
 
 // unavailable reports whether err means that the store could not be reached

@@ -1004,3 +1004,44 @@ func TestRecordsDueRebuilt(t *testing.T) {
 		t.Fatalf("records_due holds %d rows after pruning, want the 4 running records and the mark", n)
 	}
 }
+
+// TestRefusedAccessIsDenied: a role without the privileges on the records
+// (a grant revoked, or the wrong role after a rotation) was reached: its
+// refusal is unavailable (a completion is kept to try again) and denied
+// (never a reason to fail open), as a refused login is.
+func TestRefusedAccessIsDenied(t *testing.T) {
+	admin, schema := newStore(t)
+	r, err := admin.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "k", Fingerprint: "fp", Token: "tok", Now: t0, LeaseExpires: t0.Add(time.Minute)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	role := "idem_noperm_" + strconv.Itoa(os.Getpid())
+	pool := sharedPool(t)
+	if _, err := pool.Exec(ctx, "DROP ROLE IF EXISTS "+role+"; CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
+	cfg, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	weak, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(weak.Close)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: weak, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrDenied) {
+		t.Fatalf("Get as a role without privileges: %v; want ErrUnavailable and ErrDenied", err)
+	}
+	err = s.Finish(ctx, store.FinishParams{Scope: "s", Key: "k", Token: r.Token, Now: t0, State: store.StateCompleted,
+		Response: &store.Response{Status: 201}, Expires: t0.Add(time.Hour)})
+	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrDenied) {
+		t.Fatalf("Finish as a role without privileges: %v; want ErrUnavailable and ErrDenied", err)
+	}
+}

@@ -93,8 +93,8 @@
 // a refusal of a call on records that may pass: LOADING, CLUSTERDOWN,
 // TRYAGAIN, MASTERDOWN, READONLY, BUSY, max-clients, OOM, MISCONF,
 // NOREPLICAS; MOVED and ASK once go-redis's redirections ran out; NOAUTH,
-// WRONGPASS, NOPERM; on Redis 6.2 these come wrapped in "ERR Error running
-// script". The scripts return each decision they make as a value, so a
+// WRONGPASS, NOPERM (with [store.ErrDenied] too: never a reason to fail
+// open); on Redis 6.2 these come wrapped in "ERR Error running script". The scripts return each decision they make as a value, so a
 // script that fails on what it found (a key of another type, a damaged
 // record) is Redis's answer about that record, wrapped as it is. A
 // cancelled context stays recognisable with errors.Is, and is not
@@ -1091,8 +1091,9 @@ func decode(f map[string]string) (store.Record, error) {
 // the context's error, when that was the cause): a server loading, failing
 // over, resharding, too busy or refusing writes (OOM, MISCONF, NOREPLICAS,
 // READONLY); MOVED or ASK once the client's redirections ran out; NOAUTH,
-// WRONGPASS, NOPERM; and on Redis 6.2 any of these inside a script, wrapped
-// in "ERR Error running script". The engine then keeps the outcome and
+// WRONGPASS, NOPERM (these with [store.ErrDenied] too: Redis was reached,
+// which is no reason to fail open); and on Redis 6.2 any of these inside a
+// script, wrapped in "ERR Error running script". The engine then keeps the outcome and
 // tries again, where another error would drop it. A script that failed on
 // what it found (a key of another type, a damaged record) is the store's
 // answer about that record, wrapped as it is: asking again gives the same
@@ -1101,23 +1102,51 @@ func decode(f map[string]string) (store.Record, error) {
 // errors the store finds itself (invalid params, a record it cannot decode)
 // are not translated.
 func translate(op string, err error) error {
-	if unreachable(err) || refused(err) {
+	switch {
+	case denied(err):
+		return fmt.Errorf("redisstore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
+	case unreachable(err) || refused(err):
 		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("redisstore: %s: %w", op, err)
 }
 
+// denials are the codes of Redis's refusals of the client's credentials or
+// permissions: Redis was reached, and may hold the record (see
+// [store.ErrDenied]).
+var denials = []string{"NOAUTH", "WRONGPASS", "NOPERM"}
+
+// denied reports whether err is Redis refusing the client's credentials or
+// permissions, plainly, inside a script's error (Redis 6.2), or by cutting
+// off a client not yet authenticated.
+func denied(err error) bool {
+	var redisErr redis.Error
+	if !errors.As(err, &redisErr) {
+		return false
+	}
+	msg := redisErr.Error()
+	if strings.HasPrefix(msg, "ERR Protocol error: unauthenticated") {
+		return true
+	}
+	for _, code := range denials {
+		if redis.HasErrorPrefix(err, code) || (strings.HasPrefix(msg, "ERR Error running script") && strings.Contains(msg, ": -"+code+" ")) {
+			return true
+		}
+	}
+	return false
+}
+
 // refusals are the codes of Redis's error replies that refuse a call for a
 // reason that may pass, beyond those of a server that cannot serve for now
-// (see unreachable): redirections the client could not follow, and
-// authentication or permissions (a password or an ACL being rotated).
-var refusals = []string{"MOVED", "ASK", "NOAUTH", "WRONGPASS", "NOPERM"}
+// (see unreachable) and of access denied (see denied): redirections the
+// client could not follow.
+var refusals = []string{"MOVED", "ASK"}
 
 // wrappedRefusals are the codes of the refusals that Redis 6.2 reports
 // inside a script's error, after a '-': "ERR Error running script (call to
 // f_…): @user_script:18: @user_script: 18: -OOM command not allowed…".
 var wrappedRefusals = []string{"OOM", "MISCONF", "NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN",
-	"CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "NOAUTH", "WRONGPASS", "NOPERM"}
+	"CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK"}
 
 // refused reports whether err is one of Redis's refusals of a call on
 // records that may pass, beyond unreachable's: see translate.
@@ -1131,11 +1160,6 @@ func refused(err error) bool {
 		if redis.HasErrorPrefix(err, code) {
 			return true
 		}
-	}
-	// A client not yet authenticated that sends a long command is cut off
-	// with this instead of NOAUTH.
-	if strings.HasPrefix(msg, "ERR Protocol error: unauthenticated") {
-		return true
 	}
 	if strings.HasPrefix(msg, "ERR Error running script") {
 		for _, code := range wrappedRefusals {

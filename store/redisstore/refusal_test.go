@@ -3,11 +3,15 @@ package redisstore
 import (
 	"context"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/redis/go-redis/v9"
@@ -120,5 +124,65 @@ func TestMovedIsUnavailable(t *testing.T) {
 	}
 	if err := s.Finish(ctx, finish); err != nil {
 		t.Fatalf("Finish through the cluster: %v", err)
+	}
+}
+
+// TestRefusedAccessIsNoReasonToFailOpen: a Redis that refuses the client
+// (a password or an ACL rotated) was reached, and may hold the record: a
+// middleware with fail_open answers 503 instead of running the request
+// unprotected. (It ran a completed request again.)
+func TestRefusedAccessIsNoReasonToFailOpen(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	boot, port, _ := ownRedis(t)
+	for _, acl := range [][]any{
+		{"ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all"},
+		{"ACL", "SETUSER", "keyless", "on", ">keyless-secret", "~elsewhere:*", "+@all"},
+	} {
+		if err := boot.Do(ctx, acl...).Err(); err != nil {
+			t.Fatalf("%v: %v", acl[:3], err)
+		}
+	}
+	prefix := randomPrefix(t)
+	serve := func(user, password string, runs *atomic.Int64) *httptest.Server {
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port, Username: user, Password: password})
+		t.Cleanup(func() { c.Close() })
+		s, err := New(Config{Client: c, Prefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		eng, err := idem.New(idem.Config{Store: s, StoreTimeout: 500 * time.Millisecond, CacheSize: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mw, err := httpidem.New(httpidem.Config{Engine: eng, FailOpen: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(http.StatusCreated)
+		})))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	post := func(srv *httptest.Server) int {
+		req, _ := http.NewRequest("POST", srv.URL+"/charges", strings.NewReader(`{"amount":1}`))
+		req.Header.Set("Idempotency-Key", "charge-1")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	var runs atomic.Int64
+	if status := post(serve("admin", "admin-secret", &runs)); status != http.StatusCreated || runs.Load() != 1 {
+		t.Fatalf("the first request: %d after %d runs", status, runs.Load())
+	}
+	for _, who := range [][2]string{{"keyless", "keyless-secret"}, {"keyless", "rotated-away"}} {
+		if status := post(serve(who[0], who[1], &runs)); status != http.StatusServiceUnavailable || runs.Load() != 1 {
+			t.Fatalf("its retry through a client Redis refuses (%s): %d after %d runs; want 503, run once", who[1], status, runs.Load())
+		}
 	}
 }
