@@ -68,6 +68,7 @@ import (
 	"fmt"
 	"io/fs"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -89,7 +90,8 @@ const DefaultBusyTimeout = 10 * time.Second
 
 // Config configures [Open].
 type Config struct {
-	// Path is the database file, created if missing. Required.
+	// Path is the database file, created if missing (readable by its owner
+	// alone: it holds the stored responses). Required.
 	Path string
 	// BusyTimeout is how long a write waits for another process holding the
 	// write lock before failing with [store.ErrUnavailable]. Defaults to
@@ -149,6 +151,14 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	q.Set("_busy_timeout", strconv.FormatInt(busy.Milliseconds(), 10))
 	q.Set("_journal_mode", "WAL")
 	q.Set("_synchronous", "FULL")
+	// A new database is readable by its owner alone: it holds the stored
+	// responses. (SQLite gives its -wal and -shm files the database's mode.)
+	// A path that cannot be created is left for SQLite to report.
+	if !strings.HasPrefix(cfg.Path, ":memory:") {
+		if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
+			f.Close()
+		}
+	}
 	dsn := "file:" + (&url.URL{Path: cfg.Path}).EscapedPath() + "?" + q.Encode()
 	db, err := sql.Open("sqlite", dsn)
 	if err != nil {

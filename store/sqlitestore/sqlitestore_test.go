@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -266,4 +267,25 @@ func TestWriteLockHeldIsUnavailable(t *testing.T) {
 		r, err := s.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
 		return err == nil && r.State == idem.StateCompleted && string(r.Response.Body) == "charged"
 	})
+}
+
+// TestNewDatabaseIsPrivate: a database the store creates, and its WAL, are
+// readable by their owner alone: they hold the stored responses (it was
+// created as the umask left it, world-readable).
+func TestNewDatabaseIsPrivate(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s := open(t, path)
+	t0 := time.Now()
+	if _, err := s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: "fp", Token: "tok", Now: t0, LeaseExpires: t0.Add(time.Minute)}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{path, path + "-wal"} {
+		st, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Mode().Perm() != 0o600 {
+			t.Errorf("%s has mode %v; want 0600", filepath.Base(p), st.Mode().Perm())
+		}
+	}
 }
