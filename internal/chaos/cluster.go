@@ -84,6 +84,9 @@ func StartRedisCluster(ctx context.Context, dir string) (*RedisCluster, error) {
 			}
 		}
 	}
+	// The nodes learn of each other by gossip, slower on a loaded machine
+	// (the race detector, other packages' tests): a bound of its own.
+	deadline = time.Now().Add(60 * time.Second)
 	for _, d := range direct {
 		for {
 			info, _ := d.ClusterInfo(ctx).Result()
@@ -93,7 +96,7 @@ func StartRedisCluster(ctx context.Context, dir string) (*RedisCluster, error) {
 			}
 			if time.Now().After(deadline) {
 				c.Stop()
-				return nil, fmt.Errorf("redis cluster did not come up: %s", info)
+				return nil, fmt.Errorf("redis cluster did not come up in a minute: node %s says\n%s\n%s", d.Options().Addr, info, nodes)
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
