@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem/internal/faultnet"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 // RedisCluster is a three-master Redis Cluster of the suite's own whose
@@ -30,11 +31,12 @@ func StartRedisCluster(ctx context.Context, dir string) (*RedisCluster, error) {
 	c := &RedisCluster{}
 	ports := make([]int, 3)
 	for i := range ports {
-		port, err := freePortBelow(55535) // the bus port is port+10000
+		p, err := testkit.ClusterPort() // the bus port is port+10000
 		if err != nil {
 			c.Stop()
 			return nil, err
 		}
+		port, _ := strconv.Atoi(p)
 		ports[i] = port
 		f, err := faultnet.Listen("127.0.0.1:" + strconv.Itoa(port))
 		if err != nil {
@@ -122,23 +124,4 @@ func (c *RedisCluster) Stop() {
 	for _, f := range c.Faults {
 		f.Close()
 	}
-}
-
-// freePortBelow returns a free TCP port under limit.
-func freePortBelow(limit int) (int, error) {
-	for range 100 {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		if port < limit {
-			if bus, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+10000)); err == nil {
-				bus.Close()
-				return port, nil
-			}
-		}
-	}
-	return 0, fmt.Errorf("no free port under %d with a free bus port", limit)
 }

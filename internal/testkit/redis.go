@@ -1,6 +1,7 @@
 package testkit
 
 import (
+	"errors"
 	"net"
 	"os/exec"
 	"strconv"
@@ -19,6 +20,27 @@ func FreePort(tb testing.TB) string {
 	}
 	defer ln.Close()
 	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+}
+
+// ClusterPort returns a TCP port on loopback for a Redis Cluster node: free
+// (now), at most 55535, with its cluster bus port (10000 higher) free too.
+// (A node on a higher port does not start.)
+func ClusterPort() (string, error) {
+	for range 100 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", err
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if port <= 55535 {
+			if bus, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+10000)); err == nil {
+				bus.Close()
+				return strconv.Itoa(port), nil
+			}
+		}
+	}
+	return "", errors.New("testkit: no free port under 55535 with a free bus port")
 }
 
 // StartRedis runs a Redis server of the test's own on port of loopback,

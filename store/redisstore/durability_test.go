@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -18,6 +19,12 @@ import (
 func ownRedis(t *testing.T, args ...string) (*redis.Client, string, *exec.Cmd) {
 	t.Helper()
 	port := testkit.FreePort(t)
+	if slices.Contains(args, "--cluster-enabled") { // a cluster node needs a port under 55535
+		var err error
+		if port, err = testkit.ClusterPort(); err != nil {
+			t.Fatal(err)
+		}
+	}
 	cmd := testkit.StartRedis(t, port, args...)
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port})
 	t.Cleanup(func() { client.Close() })
