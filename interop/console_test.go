@@ -20,6 +20,7 @@ import (
 	"github.com/chromedp/chromedp"
 
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/reconcile"
 )
 
 var screenshots = flag.String("screenshots", "", "`directory` to write the console's screenshots to (docs/ for the README)")
@@ -257,6 +258,20 @@ func testConsole(t *testing.T, store string, pictures bool) {
 		shoot(t, ctx, "console-record.png")
 	}
 	recordURL := get(t, ctx, "reading the record's address", chromedp.Location())
+
+	// Its owner may still store its outcome for the reconciler's grace: the
+	// page says from when it can be resolved, and offers nothing before.
+	wait := get(t, ctx, "reading when it can be resolved", chromedp.Text(id("resolve-wait")))
+	if n := get(t, ctx, "looking for the resolve form", chromedp.Evaluate[int](`document.querySelectorAll("#status").length`)); n != 0 {
+		t.Fatalf("an UNKNOWN record is offered for resolving within its owner's grace (%s)", wait)
+	}
+	at := regexp.MustCompile(`\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC`).FindString(wait)
+	from, err := time.Parse("2006-01-02 15:04:05 MST", at)
+	if err != nil || time.Until(from) > reconcile.DefaultGrace+5*time.Second {
+		t.Fatalf("the page says %q; want the time the grace ends, within %v", wait, reconcile.DefaultGrace)
+	}
+	time.Sleep(time.Until(from) + time.Second) // the grace itself: what is waited for is the time
+	do(t, ctx, "the record, its grace over", chromedp.Navigate(recordURL), chromedp.WaitVisible(id("status")))
 
 	// Resolving without the right token is refused, and changes nothing.
 	resolve := func(token string) {
