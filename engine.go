@@ -582,12 +582,7 @@ func (e *Engine) Settle(ctx context.Context, l Lease, s Settlement) error {
 	if s.Commit != nil {
 		err = s.Commit(ctx, p)
 	} else {
-		sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
-		err = e.store.Finish(sctx, p)
-		if ctx.Err() == nil { // the caller's own cancellation is its answer
-			err = unanswered(sctx, err)
-		}
-		cancel()
+		err = e.bounded(ctx, func(ctx context.Context) error { return e.store.Finish(ctx, p) })
 	}
 	if err == nil || errors.Is(err, ErrLeaseLost) {
 		e.owners.done(l) // the caller is done with the lease
@@ -607,14 +602,13 @@ func (e *Engine) MaxBody() int { return store.MaxBody(e.store) }
 // Get returns the live record under scope and key, or [ErrNotFound]. A
 // store that does not answer within the store timeout is unavailable.
 func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
-	sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
-	defer cancel()
-	r, err := e.store.Get(sctx, store.GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+	var r Record
+	err := e.bounded(ctx, func(ctx context.Context) (err error) {
+		r, err = e.store.Get(ctx, store.GetParams{Scope: scope, Key: key, Now: e.clock.Now()})
+		return err
+	})
 	if err == nil || errors.Is(err, ErrNotFound) {
 		e.answered()
-	}
-	if ctx.Err() == nil { // the caller's own cancellation is its answer
-		err = unanswered(sctx, err)
 	}
 	return r, err
 }
@@ -623,13 +617,25 @@ func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
 // lease) for a reconciler; pass the returned cursor to get the next page. A
 // store that does not answer within the store timeout is unavailable.
 func (e *Engine) Scan(ctx context.Context, limit int, cursor string) (ScanResult, error) {
+	var page ScanResult
+	err := e.bounded(ctx, func(ctx context.Context) (err error) {
+		page, err = e.store.Scan(ctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+		return err
+	})
+	return page, err
+}
+
+// bounded makes a store call under the store timeout: one not answered by
+// then is unavailable, whatever error came with it, unless the caller's own
+// context ended first (its cancellation is its answer).
+func (e *Engine) bounded(ctx context.Context, call func(context.Context) error) error {
 	sctx, cancel := context.WithTimeout(ctx, e.storeTimeout)
 	defer cancel()
-	page, err := e.store.Scan(sctx, store.ScanParams{Now: e.clock.Now(), Limit: limit, Cursor: cursor})
+	err := call(sctx)
 	if ctx.Err() == nil {
 		err = unanswered(sctx, err)
 	}
-	return page, err
+	return err
 }
 
 // List returns a page of the live records that match p, in any state, for

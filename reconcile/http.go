@@ -7,10 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/url"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/redact"
 )
 
 // HTTPResolver asks a web service what happened to a record, so that an API
@@ -72,10 +72,7 @@ func (h HTTPResolver) Resolve(ctx context.Context, rec idem.Record) (Resolution,
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		if ue, ok := err.(*url.Error); ok {
-			err = ue.Err // it names the URL whole
-		}
-		return Resolution{}, fmt.Errorf("reconcile: asking %s: %w", h.where(), err)
+		return Resolution{}, fmt.Errorf("reconcile: asking %s: %w", h.where(), redact.Err(err)) // its error names the URL whole
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
@@ -103,13 +100,6 @@ func (h HTTPResolver) Resolve(ctx context.Context, rec idem.Record) (Resolution,
 	return Resolution{}, fmt.Errorf("reconcile: %s answered outcome %q; want completed, failed or unknown", h.where(), a.Outcome)
 }
 
-// where names the resolver in errors, which are logged: its URL without
-// password or query (either may hold a credential).
-func (h HTTPResolver) where() string {
-	u, err := url.Parse(h.URL)
-	if err != nil {
-		return "the resolver"
-	}
-	u.RawQuery, u.Fragment = "", ""
-	return u.Redacted()
-}
+// where names the resolver in errors, which are logged: its URL without a
+// password or a secret option.
+func (h HTTPResolver) where() string { return redact.URL(h.URL) }

@@ -30,8 +30,10 @@ import (
 
 // Defaults for [Config].
 const (
-	// DefaultGrace is how long past its lease an IN_PROGRESS record is left
-	// to its owner before the reconciler steps in.
+	// DefaultGrace is how long an unsettled record is left to its owner
+	// once it went quiet (its lease ended, or it became unknown) before the
+	// reconciler steps in; an operator's Resolve always waits this long
+	// (see [AbandonedAt]).
 	DefaultGrace = time.Minute
 	// DefaultInterval is how often Start runs a pass.
 	DefaultInterval = 30 * time.Second
@@ -203,13 +205,7 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	eng := r.cfg.Engine
 	log := r.log.With("key_hash", idem.KeyHash(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
-	// A downstream call made just before the lease ended, or just before the
-	// record became unknown (a timeout on the owner's side), may still land.
-	quiet := quietSince(rec)
-	if t := r.unreachable.Load(); t != nil && t.After(quiet) {
-		quiet = *t // owners may have outcomes in their journals to store first
-	}
-	if eng.Now().Before(quiet.Add(r.cfg.Grace)) {
+	if eng.Now().Before(r.quietUntil(rec)) {
 		rep.Waiting++
 		return
 	}
@@ -226,7 +222,7 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 		rep.Errors++
 		log.Error("reconcile: reading the record", "err", err)
 		return
-	case fresh.Token != rec.Token || !fresh.Stale(eng.Now()) || eng.Now().Before(quietSince(fresh).Add(r.cfg.Grace)):
+	case fresh.Token != rec.Token || !fresh.Stale(eng.Now()) || eng.Now().Before(r.quietUntil(fresh)):
 		rep.Lost++ // renewed, settled or taken over since the scan
 		return
 	}
@@ -297,9 +293,22 @@ func apply(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolutio
 var (
 	// ErrSettled: the record is already settled (completed or failed).
 	ErrSettled = errors.New("reconcile: the record is already settled")
-	// ErrLeaseRunning: the record's owner still holds its lease.
-	ErrLeaseRunning = errors.New("reconcile: the record's owner still holds its lease")
+	// ErrLeaseRunning: the record's owner still holds its lease, or it went
+	// quiet (its lease ended, or it became unknown) less than [DefaultGrace]
+	// ago: its owner may still store the true outcome.
+	ErrLeaseRunning = errors.New("reconcile: the record's owner may still store its outcome")
 )
+
+// quietUntil is when the reconciler may step in for rec: its grace after
+// rec went quiet, or after the store was last unreachable when that is
+// later (owners may have outcomes in their journals to store first).
+func (r *Reconciler) quietUntil(rec idem.Record) time.Time {
+	quiet := quietSince(rec)
+	if t := r.unreachable.Load(); t != nil && t.After(quiet) {
+		quiet = *t
+	}
+	return quiet.Add(r.cfg.Grace)
+}
 
 // quietSince is when an unsettled record was last heard of: the end of its
 // lease (IN_PROGRESS), or when it became unknown (UNKNOWN). Its owner, whose
@@ -336,7 +345,7 @@ func Resolve(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolut
 	case rec.State.Terminal():
 		return fmt.Errorf("%w (%s)", ErrSettled, rec.State)
 	case !Abandoned(rec, eng.Now()) && !force:
-		return fmt.Errorf("%w, or may store its outcome, until %s", ErrLeaseRunning, AbandonedAt(rec).UTC().Format(time.RFC3339))
+		return fmt.Errorf("%w, until %s", ErrLeaseRunning, AbandonedAt(rec).UTC().Format(time.RFC3339))
 	case res.Outcome != Completed && res.Outcome != Failed:
 		return fmt.Errorf("%w: reconcile: resolve a record as completed or failed", idem.ErrInvalid)
 	}

@@ -71,6 +71,11 @@ var (
 	ErrDenied = errors.New("idem: store refused access")
 )
 
+// Denied is err, a store's refusal of the caller's credentials or
+// permissions, as stores report it: wrapping [ErrUnavailable] and
+// [ErrDenied].
+func Denied(err error) error { return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrDenied, err) }
+
 // MaxKeyLen is the longest idempotency key accepted, in bytes.
 const MaxKeyLen = 255
 

@@ -50,6 +50,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem/idemclient"
+	"github.com/idemhq/idem/internal/redact"
 )
 
 // The errors of [Run] when the first request shows that no check can run;
@@ -143,6 +144,7 @@ type Check struct {
 
 // Report is the outcome of [Run].
 type Report struct {
+	// URL is Config.URL without its password nor its secret options.
 	URL    string  `json:"url"`
 	Checks []Check `json:"checks"`
 }
@@ -213,13 +215,12 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if cfg.URL == "" {
 		return Report{}, errors.New("verify: no URL")
 	}
-	u, err := url.Parse(cfg.URL)
-	if err != nil {
-		return Report{}, fmt.Errorf("verify: the URL is not valid: %v", parseError(err))
+	if _, err := url.Parse(cfg.URL); err != nil {
+		return Report{}, fmt.Errorf("verify: the URL is not valid: %v", redact.Err(err))
 	}
 	if cfg.EffectsURL != "" {
 		if _, err := url.Parse(cfg.EffectsURL); err != nil {
-			return Report{}, fmt.Errorf("verify: the effects URL is not valid: %v", parseError(err))
+			return Report{}, fmt.Errorf("verify: the effects URL is not valid: %v", redact.Err(err))
 		}
 	}
 	if cfg.Timeout <= 0 {
@@ -254,7 +255,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	r := &runner{cfg: cfg, url: u.Redacted(), plain: plain, outcomes: map[string]bool{},
+	r := &runner{cfg: cfg, url: redact.URL(cfg.URL), plain: plain, outcomes: map[string]bool{},
 		retrying: &http.Client{Timeout: plain.Timeout, Transport: idemclient.New(idemclient.Config{Base: base, MaxElapsed: 20 * time.Second})}}
 	rep := Report{URL: r.url}
 	for _, check := range []func(context.Context) Check{r.replay, r.mismatch, r.concurrent, r.missingKey, r.malformed, r.scopes} {
@@ -265,15 +266,6 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	rep.Checks = append(rep.Checks, r.problemJSON())
 	return rep, nil
-}
-
-// parseError is what url.Parse says is wrong, without the URL it quotes.
-func parseError(err error) error {
-	var ue *url.Error
-	if errors.As(err, &ue) {
-		return ue.Err
-	}
-	return err
 }
 
 // problemJSON checks the 4xx answers the other checks saw, but for the

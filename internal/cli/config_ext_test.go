@@ -147,3 +147,15 @@ func TestDemoTakesTheEnvironment(t *testing.T) {
 		t.Errorf("demo ignores IDEM_STORE:\n%s", out)
 	}
 }
+
+// TestDemoRefusesAnEmptyJournalDir: the demo, like the proxy, refuses an
+// empty --journal-dir (it meant no journal without a word): none says so.
+func TestDemoRefusesAnEmptyJournalDir(t *testing.T) {
+	var out, errOut strings.Builder
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // a demo that started would serve until then
+	defer cancel()
+	code := cli.Main(ctx, []string{"demo", "--journal-dir="}, envOf(nil), &out, &errOut)
+	if code != 2 || !strings.Contains(errOut.String(), "write none") {
+		t.Fatalf("demo --journal-dir=: exit %d, %s; want 2 and the way to say none", code, errOut.String())
+	}
+}

@@ -157,3 +157,14 @@ func TestYAMLMistakesAreRefused(t *testing.T) {
 		}
 	}
 }
+
+// decodeProxyYAML reads a configuration file over cfg as loadProxyConfig
+// does with no environment and no flags: every route over the file's
+// defaults.
+func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
+	routes, err := decodeProxyFile(data, cfg)
+	if err != nil {
+		return err
+	}
+	return routes.decode(cfg)
+}

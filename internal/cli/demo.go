@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -38,6 +39,10 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	if err := applyEnv(fs, env); err != nil {
 		usageError(stderr, fs.Name(), err.Error())
+		return 2
+	}
+	if strings.TrimSpace(*journal) == "" {
+		usageError(stderr, fs.Name(), "--journal-dir: "+emptyError("journal_dir").Error())
 		return 2
 	}
 	if k := storeopen.Kind(*store); k != "sqlite" && k != "postgres" {

@@ -290,7 +290,7 @@ func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string,
 	status := fs.Int("status", 0, "with --completed: the HTTP `status` to replay")
 	body := fs.String("body", "", "with --completed: the `body` to replay")
 	bodyFile := fs.String("body-file", "", "with --completed: a `file` holding the body to replay")
-	force := fs.Bool("force", false, "even a record whose lease is still running")
+	force := fs.Bool("force", false, "even a record whose owner may still store its outcome (its lease running, or quiet for less than a minute)")
 	header := headerFlags{}
 	fs.Var(header, "header", "with --completed: a `header` to replay, 'Name: value' (repeatable)")
 	return func(ctx context.Context, eng *idem.Engine, pos []string, stdout io.Writer) error {

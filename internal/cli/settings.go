@@ -41,7 +41,7 @@ var settingHelp = map[string]string{
 	"admin_listen":        "`address` of /healthz, /readyz, /metrics (Prometheus) and the console (/console/); a bare :port is on loopback",
 	"admin_token":         "`token` every console action must carry; prefer the variable, as a flag shows in the process list",
 	"console_read_only":   "serve the console with no action, and no token needed",
-	"console_mask":        "hide keys and stored bodies in the console",
+	"console_mask":        "hide keys, stored bodies, header values and checkpoint data in the console (the listing then has no key filter)",
 	"audit_log":           "`file` the console's actions are appended to",
 	"upstream_timeout":    "bounds each stall in sending the request, then the wait for the response headers, then for each part of its body; past it the outcome is unknown",
 	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
@@ -325,18 +325,6 @@ func (f *flagSetting) placeholder() string {
 		return "size"
 	}
 	return "value"
-}
-
-// decodeProxyYAML reads a configuration file over cfg, which holds the
-// defaults: keys present change what they name, and every route starts from
-// the file's defaults. Values are parsed as flags are; an unknown key or a
-// bad value is an error that names its line.
-func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
-	routes, err := decodeProxyFile(data, cfg)
-	if err != nil {
-		return err
-	}
-	return routes.decode(cfg)
 }
 
 // fileRoutes are the routes of a configuration file, read once the

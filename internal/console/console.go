@@ -776,7 +776,7 @@ func (c *Console) settle(ctx context.Context, a action) (before, after string, e
 	case errors.Is(err, idem.ErrLeaseLost):
 		return before, before, errors.New("the record changed meanwhile (settled or taken over); look again")
 	case errors.Is(err, reconcile.ErrLeaseRunning), errors.Is(err, reconcile.ErrSettled):
-		return before, before, err // reconcile's own words: the state, or when the lease ends
+		return before, before, err // reconcile's own words: the state, or from when it may be settled
 	case errors.Is(err, idem.ErrUnavailable):
 		// Its write may have landed with the answer lost: say what the
 		// record is now, not that nothing changed.
@@ -784,7 +784,7 @@ func (c *Console) settle(ctx context.Context, a action) (before, after string, e
 		if now, gerr := eng.Get(ctx, a.Scope, a.Key); gerr == nil {
 			after = describe(now)
 		}
-		return before, after, fmt.Errorf("%w", idem.ErrUnavailable)
+		return before, after, idem.ErrUnavailable
 	case err != nil:
 		return before, before, errors.New(errorText(err))
 	}

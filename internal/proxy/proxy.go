@@ -43,6 +43,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/store/memstore"
 )
@@ -330,26 +331,14 @@ func (cfg Config) upstreamURL() (*url.URL, error) {
 	}
 	target, err := url.Parse(cfg.Upstream)
 	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
-		return nil, fmt.Errorf("upstream %s: want an http:// or https:// URL", redactURL(cfg.Upstream))
+		return nil, fmt.Errorf("upstream %s: want an http:// or https:// URL", redact.URL(cfg.Upstream))
 	}
 	if target.User != nil {
 		// It would be dropped: requests go upstream with their own
 		// credentials, never the proxy's.
-		return nil, fmt.Errorf("upstream %s: want a URL without user information (user@ or user:password@): the proxy does not send it", target.Redacted())
+		return nil, fmt.Errorf("upstream %s: want a URL without user information (user@ or user:password@): the proxy does not send it", redact.URL(cfg.Upstream))
 	}
 	return target, nil
-}
-
-// redactURL is u without its password, for messages and logs; a URL that
-// does not parse is shown by its scheme alone.
-func redactURL(u string) string {
-	if p, err := url.Parse(u); err == nil {
-		return p.Redacted()
-	}
-	if scheme, _, ok := strings.Cut(u, "://"); ok && !strings.ContainsAny(scheme, ":@/") {
-		return scheme + "://…"
-	}
-	return "(not a URL)"
 }
 
 // Handler builds the proxying handler: routes, middleware and upstream.
@@ -788,7 +777,7 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 			return err
 		}
 	}
-	attrs := []any{"addr", addr, "upstream", redactURL(cfg.Upstream)}
+	attrs := []any{"addr", addr, "upstream", redact.URL(cfg.Upstream)}
 	if health != nil {
 		attrs = append(attrs, "store", health.Status().Store)
 	}

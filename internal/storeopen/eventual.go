@@ -56,18 +56,20 @@ func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
 // misconfigured reports whether err, from opening a store of kind, means
 // that the DSN is wrong rather than that the server is not up yet: waiting
 // would answer 503 for ever (or, with fail_open, run every request
-// unprotected). For PostgreSQL: the database does not exist (3D000), the
-// server refuses the user or its password (class 28), or the schema cannot
-// be made (42501 insufficient privilege, 3F000 invalid schema). For SQLite,
+// unprotected). For every store: the server refused the credentials or
+// the permissions ([idem.ErrDenied]). For PostgreSQL also: the database
+// does not exist (3D000), or the schema is not valid (3F000). For SQLite,
 // which has no server to wait for: anything but a lock held by another
 // process or a deadline.
 func misconfigured(kind string, err error) bool {
+	if errors.Is(err, idem.ErrDenied) {
+		return true
+	}
 	switch kind {
 	case "postgres":
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) {
-			code := pgErr.Code
-			return code == "3D000" || strings.HasPrefix(code, "28") || code == "42501" || code == "3F000"
+			return pgErr.Code == "3D000" || pgErr.Code == "3F000"
 		}
 	case "sqlite":
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

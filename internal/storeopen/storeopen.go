@@ -32,6 +32,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/store/dynamostore"
 	"github.com/idemhq/idem/store/memcachedstore"
 	"github.com/idemhq/idem/store/memstore"
@@ -150,7 +151,7 @@ func scrub(err error, dsn string) error {
 		secrets = append(secrets, m[1])
 	}
 	for _, m := range queryOption.FindAllStringSubmatch(dsn, -1) {
-		if secretOption(m[1]) && m[2] != "" {
+		if redact.SecretOption(m[1]) && m[2] != "" {
 			secrets = append(secrets, m[2])
 		}
 	}
@@ -287,60 +288,22 @@ func parseDSN(dsn string) (*url.URL, error) {
 	return nil, fmt.Errorf("%w: store %s: not a valid URL (a / ? # @ : or %% in the user name or password must be percent-encoded)", idem.ErrInvalid, Redact(dsn))
 }
 
-// urlScheme is what may begin a URL: its scheme.
-var urlScheme = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9+.-]*$`)
-
-// schemeOf is the scheme of a DSN, or "" when what comes before its first
-// colon is no scheme (and may be a secret).
-func schemeOf(dsn string) string {
-	scheme, _, _ := strings.Cut(dsn, ":")
-	if !urlScheme.MatchString(scheme) {
-		return ""
-	}
-	return scheme
-}
-
-// secretOption reports whether a DSN's query option name holds a secret
-// (password=, sslpassword=, a token…).
-func secretOption(name string) bool {
-	name = strings.ToLower(name)
-	return strings.Contains(name, "password") || strings.Contains(name, "secret") || strings.Contains(name, "token") ||
-		strings.Contains(name, "passwd")
-}
-
-// Redact returns dsn fit for a message or a log line: without the password
-// of its user-info, nor the values of its query options that hold secrets
-// (password=, sslpassword=). A DSN that does not parse as a URL is shown by
-// its scheme alone ("postgres://…"), since any part of it may be the
-// password.
+// Redact returns dsn fit for a message or a log line (see [redact.URL]):
+// a SQLite path or memory: as it is.
 func Redact(dsn string) string {
 	scheme := schemeOf(dsn)
 	if !strings.Contains(dsn, "://") && kindOf(scheme) == "sqlite" || kindOf(scheme) == "memory" {
 		return dsn // a path, or nothing
 	}
-	u, err := url.Parse(dsn)
-	if err != nil || u.Scheme == "" || u.Opaque != "" && strings.ContainsAny(u.Opaque, "@=") {
-		if scheme == "" {
-			return "(a DSN that is not a URL)"
-		}
-		return scheme + "://…"
+	if scheme == "" {
+		return "(a DSN that is not a URL)"
 	}
-	if u.User != nil {
-		if _, ok := u.User.Password(); ok {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-		}
-	}
-	if u.RawQuery != "" {
-		parts := strings.Split(u.RawQuery, "&")
-		for i, p := range parts {
-			if k, _, ok := strings.Cut(p, "="); ok && secretOption(k) {
-				parts[i] = k + "=xxxxx"
-			}
-		}
-		u.RawQuery = strings.Join(parts, "&")
-	}
-	return u.String()
+	return redact.URL(dsn)
 }
+
+// schemeOf is the scheme of a DSN, or "" when what comes before its first
+// colon is no scheme (and may be a secret).
+func schemeOf(dsn string) string { return redact.Scheme(dsn) }
 
 func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
 	u, err := parseDSN(dsn)

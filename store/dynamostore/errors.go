@@ -98,7 +98,7 @@ func translate(table, op string, err error) error {
 	case errors.As(err, &notFound):
 		return fmt.Errorf("%w: %q (%s; create it with dynamostore.CreateTable): %w", ErrTableNotFound, table, op, err)
 	case denied(err):
-		return fmt.Errorf("dynamostore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
+		return fmt.Errorf("dynamostore: %s: %w", op, store.Denied(err))
 	case unavailable(err):
 		return fmt.Errorf("dynamostore: %s: %w: %w", op, store.ErrUnavailable, err)
 	case errors.As(err, &api) && api.ErrorCode() == "ValidationException" &&

@@ -23,7 +23,7 @@ import (
 func translate(op string, err error) error {
 	switch {
 	case denied(err):
-		return fmt.Errorf("pgstore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
+		return fmt.Errorf("pgstore: %s: %w", op, store.Denied(err))
 	case unavailable(err):
 		return fmt.Errorf("pgstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}

@@ -1104,7 +1104,7 @@ func decode(f map[string]string) (store.Record, error) {
 func translate(op string, err error) error {
 	switch {
 	case denied(err):
-		return fmt.Errorf("redisstore: %s: %w: %w: %w", op, store.ErrUnavailable, store.ErrDenied, err)
+		return fmt.Errorf("redisstore: %s: %w", op, store.Denied(err))
 	case unreachable(err) || refused(err):
 		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}

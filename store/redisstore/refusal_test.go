@@ -26,16 +26,7 @@ import (
 func TestRefusedAccessIsUnavailable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	boot, port, _ := ownRedis(t)
-	for _, acl := range [][]any{
-		{"ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all"},
-		{"ACL", "SETUSER", "keyless", "on", ">keyless-secret", "~elsewhere:*", "+@all"},
-		{"ACL", "SETUSER", "default", "off"},
-	} {
-		if err := boot.Do(ctx, acl...).Err(); err != nil {
-			t.Fatalf("%v: %v", acl[:3], err)
-		}
-	}
+	port := redisWithUsers(t, true)
 	client := func(user, password string) *redis.Client {
 		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port, Username: user, Password: password})
 		t.Cleanup(func() { c.Close() })
@@ -133,16 +124,7 @@ func TestMovedIsUnavailable(t *testing.T) {
 // unprotected. (It ran a completed request again.)
 func TestRefusedAccessIsNoReasonToFailOpen(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	boot, port, _ := ownRedis(t)
-	for _, acl := range [][]any{
-		{"ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all"},
-		{"ACL", "SETUSER", "keyless", "on", ">keyless-secret", "~elsewhere:*", "+@all"},
-	} {
-		if err := boot.Do(ctx, acl...).Err(); err != nil {
-			t.Fatalf("%v: %v", acl[:3], err)
-		}
-	}
+	port := redisWithUsers(t, false)
 	prefix := randomPrefix(t)
 	serve := func(user, password string, runs *atomic.Int64) *httptest.Server {
 		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port, Username: user, Password: password})
@@ -185,4 +167,26 @@ func TestRefusedAccessIsNoReasonToFailOpen(t *testing.T) {
 			t.Fatalf("its retry through a client Redis refuses (%s): %d after %d runs; want 503, run once", who[1], status, runs.Load())
 		}
 	}
+}
+
+// redisWithUsers starts a Redis of the test's own with two ACL users:
+// admin (every key and command) and keyless (every command, no key of the
+// store's), and, when noDefault, without the default user. It returns its
+// port.
+func redisWithUsers(t *testing.T, noDefault bool) string {
+	t.Helper()
+	boot, port, _ := ownRedis(t)
+	acls := [][]any{
+		{"ACL", "SETUSER", "admin", "on", ">admin-secret", "~*", "&*", "+@all"},
+		{"ACL", "SETUSER", "keyless", "on", ">keyless-secret", "~elsewhere:*", "+@all"},
+	}
+	if noDefault {
+		acls = append(acls, []any{"ACL", "SETUSER", "default", "off"})
+	}
+	for _, acl := range acls {
+		if err := boot.Do(context.Background(), acl...).Err(); err != nil {
+			t.Fatalf("%v: %v", acl[:3], err)
+		}
+	}
+	return port
 }
