@@ -358,7 +358,9 @@ return 1
 // checkpointScript applies store.CheckpointParams.Apply: 1 when the
 // checkpoint was appended (and the record is no longer takeover safe), 0 when
 // the lease is lost. The lease does not change, so neither does the pending
-// set.
+// set. A checkpoint that is already the last one, the same line (name,
+// data, time), is not appended again: go-redis sends a script again by
+// itself when its reply is lost, and the first run did append it.
 //
 // KEYS: record. ARGV: token, now, checkpoint (its store.AppendCheckpoint line).
 var checkpointScript = redis.NewScript(`
@@ -366,7 +368,11 @@ local cur = redis.call('HMGET', KEYS[1], 'state', 'token', 'lease', 'cps')
 if cur[1] ~= 'in_progress' or cur[2] ~= ARGV[1] or tonumber(ARGV[2]) >= tonumber(cur[3]) then
   return 0
 end
-redis.call('HSET', KEYS[1], 'cps', (cur[4] or '') .. ARGV[3], 'ts', '0', 'updated', ARGV[2])
+local cps, line = cur[4] or '', ARGV[3]
+if #cps >= #line and string.sub(cps, -#line) == line and (#cps == #line or string.sub(cps, -#line - 1, -#line - 1) == '\n') then
+  return 1
+end
+redis.call('HSET', KEYS[1], 'cps', cps .. line, 'ts', '0', 'updated', ARGV[2])
 return 1
 `)
 

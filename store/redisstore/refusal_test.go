@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/redis/go-redis/v9"
@@ -189,4 +190,40 @@ func redisWithUsers(t *testing.T, noDefault bool) string {
 		}
 	}
 	return port
+}
+
+// TestCheckpointResentOnceStored: go-redis sends a script again by itself
+// when its reply is lost (a connection cut after Redis ran it): the
+// checkpoint the first run appended is not appended a second time (it was:
+// one call, two recovery points).
+func TestCheckpointResentOnceStored(t *testing.T) {
+	opt := testOptions(t)
+	proxy, err := faultnet.Listen(opt.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proxy.Close() })
+	client := redis.NewClient(&redis.Options{Addr: proxy.Addr(), DB: opt.DB, Username: opt.Username, Password: opt.Password})
+	t.Cleanup(func() { client.Close() })
+	ctx := context.Background()
+	s := newTestStore(t, client, 0)
+	r := testkit.Acquire(t, s, "tenant", "resent", t0, time.Minute)
+	// The script is loaded, so that the call below is one EVALSHA.
+	if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0, Name: "first"}); err != nil {
+		t.Fatal(err)
+	}
+	proxy.DropNextReply()
+	if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0.Add(time.Second), Name: "authorize", Data: []byte("dk")}); err != nil {
+		t.Fatalf("Checkpoint whose first reply was lost: %v", err)
+	}
+	if proxy.Stats().RepliesDropped != 1 {
+		t.Fatalf("%+v: no reply was dropped, so nothing was sent again", proxy.Stats())
+	}
+	got, err := s.Get(ctx, store.GetParams{Scope: r.Scope, Key: r.Key, Now: t0.Add(time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Checkpoints) != 2 || got.Checkpoints[1].Name != "authorize" {
+		t.Fatalf("checkpoints %+v; want first and authorize, once each", got.Checkpoints)
+	}
 }
