@@ -91,7 +91,7 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	if err := parseFlagsOnly(fs, args, stdout, stderr); err != nil {
 		return cfg, nil, err
 	}
-	path := cmp.Or(*configPath, env("IDEM_CONFIG"))
+	path := configFile(fs, *configPath, env)
 	routes, err := readConfigFile(path, &cfg)
 	if err != nil {
 		return cfg, nil, err
@@ -118,6 +118,15 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	}
 	log, err := cfg.Logger(stderr)
 	return cfg, log, err
+}
+
+// configFile is the configuration file a command reads: --config's, when
+// given (empty: none), else $IDEM_CONFIG's. One rule for every command.
+func configFile(fs *flag.FlagSet, flagValue string, env Env) string {
+	if isSet(fs, "config") {
+		return flagValue
+	}
+	return env("IDEM_CONFIG")
 }
 
 // readConfigFile reads the YAML file at path, if any, over cfg, all but its

@@ -168,3 +168,20 @@ func decodeProxyYAML(data []byte, cfg *proxy.Config) error {
 	}
 	return routes.decode(cfg)
 }
+
+// TestConfigFlagOverridesTheEnvironment: --config, when given, names the
+// file whatever IDEM_CONFIG says, and --config= names none, in idem proxy
+// as in idem keys and idem reconcile (the proxy read IDEM_CONFIG's file
+// when --config was given empty).
+func TestConfigFlagOverridesTheEnvironment(t *testing.T) {
+	broken := writeFile(t, "broken.yaml", "upstream: [not, a, url\n")
+	env := func(k string) string {
+		if k == "IDEM_CONFIG" {
+			return broken
+		}
+		return ""
+	}
+	if _, _, err := loadProxyConfig([]string{"--config=", "--upstream", "http://127.0.0.1:9000"}, env, io.Discard, io.Discard); err != nil {
+		t.Fatalf("--config= with IDEM_CONFIG naming a broken file: %v; want no file read", err)
+	}
+}

@@ -323,10 +323,7 @@ var deploymentNames = []string{"config", "store", "retention"}
 // configuration file describe.
 func (d *deployment) resolve(fs *flag.FlagSet, env Env) (string, time.Duration, error) {
 	cfg := proxy.DefaultConfig()
-	path := *d.config
-	if !isSet(fs, "config") {
-		path = env("IDEM_CONFIG")
-	}
+	path := configFile(fs, *d.config, env)
 	routes, err := readConfigFile(path, &cfg)
 	if err != nil {
 		return "", 0, err
