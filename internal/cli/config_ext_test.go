@@ -14,31 +14,18 @@ import (
 	"github.com/idemhq/idem/internal/cli"
 )
 
-func envOf(m map[string]string) cli.Env { return func(k string) string { return m[k] } }
-
-// writeFile writes content to a file named name in a temporary directory,
-// and returns its path.
-func writeFile(t *testing.T, name, content string) string {
-	t.Helper()
-	path := filepath.Join(t.TempDir(), name)
-	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 // TestStoreAndResolverStillComeFromTheEnvironment: with the flags' defaults
 // no longer read from the environment, the environment still applies.
 func TestStoreAndResolverStillComeFromTheEnvironment(t *testing.T) {
 	dsn, _ := seed(t)
 	var out, errOut strings.Builder
-	code := cli.Main(context.Background(), []string{"keys", "ls"}, envOf(map[string]string{"IDEM_STORE": dsn}), &out, &errOut)
+	code := cli.Main(context.Background(), []string{"keys", "ls"}, cli.EnvOf(map[string]string{"IDEM_STORE": dsn}), &out, &errOut)
 	if code != 0 || !strings.Contains(out.String(), "done") {
 		t.Errorf("keys ls with IDEM_STORE: exit %d, %s %s", code, out.String(), errOut.String())
 	}
 	out.Reset()
 	errOut.Reset()
-	code = cli.Main(context.Background(), []string{"reconcile", "--once", "--store", dsn}, envOf(map[string]string{"IDEM_RESOLVER_URL": "http://127.0.0.1:1/resolve"}), &out, &errOut)
+	code = cli.Main(context.Background(), []string{"reconcile", "--once", "--store", dsn}, cli.EnvOf(map[string]string{"IDEM_RESOLVER_URL": "http://127.0.0.1:1/resolve"}), &out, &errOut)
 	if strings.Contains(errOut.String(), "--resolver-url is required") {
 		t.Errorf("reconcile ignores IDEM_RESOLVER_URL: exit %d, %s", code, errOut.String())
 	}
@@ -49,14 +36,14 @@ func TestStoreAndResolverStillComeFromTheEnvironment(t *testing.T) {
 // never creates a missing SQLite database.
 func TestKeysAndReconcileReadTheConfigFile(t *testing.T) {
 	dsn, engine := seed(t)
-	path := writeFile(t, "idem.yaml", "upstream: http://x\nstore: "+dsn+"\nretention: 24h\nroutes:\n  - match: POST /v1/charges\n    retention: 72h\n")
+	path := cli.WriteFile(t, "idem.yaml", "upstream: http://x\nstore: "+dsn+"\nretention: 24h\nroutes:\n  - match: POST /v1/charges\n    retention: 72h\n")
 	for _, env := range []map[string]string{{"IDEM_CONFIG": path}, {}} {
 		args := []string{"keys", "ls"}
 		if len(env) == 0 {
 			args = append(args, "--config", path)
 		}
 		var out, errOut strings.Builder
-		code := cli.Main(context.Background(), args, envOf(env), &out, &errOut)
+		code := cli.Main(context.Background(), args, cli.EnvOf(env), &out, &errOut)
 		if code != 0 || !strings.Contains(out.String(), "done") {
 			t.Errorf("%v %v: exit %d, %s %s; want the file's store listed", args, env, code, out.String(), errOut.String())
 		}
@@ -64,7 +51,7 @@ func TestKeysAndReconcileReadTheConfigFile(t *testing.T) {
 
 	// resolve settles with the longest retention of the file's routes.
 	var out, errOut strings.Builder
-	code := cli.Main(context.Background(), []string{"keys", "resolve", "unknown", "--config", path, "--completed", "--status", "201", "--force"}, envOf(nil), &out, &errOut)
+	code := cli.Main(context.Background(), []string{"keys", "resolve", "unknown", "--config", path, "--completed", "--status", "201", "--force"}, cli.EnvOf(nil), &out, &errOut)
 	if code != 0 {
 		t.Fatalf("resolve: exit %d, %s", code, errOut.String())
 	}
@@ -79,7 +66,7 @@ func TestKeysAndReconcileReadTheConfigFile(t *testing.T) {
 	// A missing SQLite database is an error, not a new empty one.
 	missing := filepath.Join(t.TempDir(), "idem.db")
 	errOut.Reset()
-	code = cli.Main(context.Background(), []string{"keys", "ls", "--store", "sqlite:" + missing}, envOf(nil), io.Discard, &errOut)
+	code = cli.Main(context.Background(), []string{"keys", "ls", "--store", "sqlite:" + missing}, cli.EnvOf(nil), io.Discard, &errOut)
 	if _, err := os.Stat(missing); code == 0 || err == nil {
 		t.Errorf("keys ls on a missing database: exit %d (%s), file made: %v", code, errOut.String(), err == nil)
 	}
@@ -95,7 +82,7 @@ func runDemoUntilUp(t *testing.T, args []string, env map[string]string) string {
 	out := &untilWriter{want: "payments API listening", seen: cancel}
 	var errOut strings.Builder
 	args = append([]string{"demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", ""}, args...)
-	code := cli.Main(ctx, args, envOf(env), out, &errOut)
+	code := cli.Main(ctx, args, cli.EnvOf(env), out, &errOut)
 	if code != 0 || !strings.Contains(out.String(), "payments API listening") {
 		t.Fatalf("demo: exit %d, %s %s", code, out.String(), errOut.String())
 	}
@@ -154,7 +141,7 @@ func TestDemoRefusesAnEmptyJournalDir(t *testing.T) {
 	var out, errOut strings.Builder
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // a demo that started would serve until then
 	defer cancel()
-	code := cli.Main(ctx, []string{"demo", "--journal-dir="}, envOf(nil), &out, &errOut)
+	code := cli.Main(ctx, []string{"demo", "--journal-dir="}, cli.EnvOf(nil), &out, &errOut)
 	if code != 2 || !strings.Contains(errOut.String(), "write none") {
 		t.Fatalf("demo --journal-dir=: exit %d, %s; want 2 and the way to say none", code, errOut.String())
 	}
