@@ -107,6 +107,15 @@ func (r *Response) Clone() *Response {
 	return &c
 }
 
+// WithoutBody returns a copy of r with its body omitted: the outcome a
+// store keeps when it has no room for the body (it was delivered once, and
+// a replay says it is not kept).
+func (r *Response) WithoutBody() *Response {
+	o := *r
+	o.Body, o.BodyOmitted = nil, true
+	return &o
+}
+
 // Equal reports whether r and o are the same outcome: status, headers (a
 // nil and an empty header are the same), body and BodyOmitted. Two nil
 // responses are equal.

@@ -352,20 +352,20 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	}
 	var meta, body []byte
 	if p.Response != nil {
-		resp := *p.Response
+		resp := p.Response
 		if len(resp.Body) > MaxBodyBytes {
-			resp.Body, resp.BodyOmitted = nil, true
+			resp = resp.WithoutBody()
 		}
 		var err error
-		if meta, body, err = encodeResponse(&resp); err != nil {
+		if meta, body, err = encodeResponse(resp); err != nil {
 			return fmt.Errorf("dynamostore: finish: %w", err)
 		}
 		if len(meta)+len(body) > maxResponseBytes && len(body) > 0 {
 			// Headers over MaxHeaderBytes took the body's room: keep the
 			// outcome without it. The choice depends on the response
 			// alone, so a repeat of this Finish finds what it wrote.
-			resp.Body, resp.BodyOmitted = nil, true
-			if meta, body, err = encodeResponse(&resp); err != nil {
+			resp = resp.WithoutBody()
+			if meta, body, err = encodeResponse(resp); err != nil {
 				return fmt.Errorf("dynamostore: finish: %w", err)
 			}
 		}

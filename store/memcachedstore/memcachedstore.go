@@ -541,12 +541,12 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 		return err
 	}
 	if p.Response != nil && len(p.Response.Body) > s.MaxBody() {
-		p.Response = omitBody(p.Response)
+		p.Response = p.Response.WithoutBody()
 	}
 	apply := p.Apply
 	if p.Response != nil && len(p.Response.Body) > 0 {
 		omitted := p
-		omitted.Response = omitBody(p.Response)
+		omitted.Response = p.Response.WithoutBody()
 		apply = func(r *store.Record) error {
 			err := p.Apply(r)
 			// p.Apply changes nothing when it fails, and omitted.Apply
@@ -572,20 +572,13 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	return nil
 }
 
-// omitBody returns resp with its body omitted.
-func omitBody(resp *store.Response) *store.Response {
-	o := *resp
-	o.Body, o.BodyOmitted = nil, true
-	return &o
-}
-
 // shrinkBody omits the body of r's response, and reports whether there was
 // one to omit.
 func shrinkBody(r *store.Record) bool {
 	if r.Response == nil || len(r.Response.Body) == 0 {
 		return false
 	}
-	r.Response = omitBody(r.Response)
+	r.Response = r.Response.WithoutBody()
 	return true
 }
 

@@ -96,7 +96,7 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	}
 	p.Response = cloneResponse(p.Response)
 	if p.Response != nil && len(p.Response.Body) > s.maxBody {
-		p.Response.Body, p.Response.BodyOmitted = nil, true
+		p.Response = p.Response.WithoutBody()
 	}
 	return s.update(ctx, p.Scope, p.Key, p.Apply)
 }
