@@ -327,11 +327,13 @@ func TestIgnoredSurvivesContinue(t *testing.T) {
 	cfg := proxy.Config{Routes: []proxy.Route{{Match: "/bypass/", Bypass: true}},
 		Defaults: proxy.Route{Config: httpidem.Config{Methods: []string{"POST"}}}}
 	srv := start(t, cfg, mustEngine(t, memstore.New()), up)
+	client := *srv.Client()
+	client.Timeout = 10 * time.Second // a regression fails, it does not hang
 	for _, c := range []struct{ method, path string }{{"POST", "/bypass/x"}, {"PUT", "/pay"}} {
 		req, _ := http.NewRequest(c.method, srv.URL+c.path, strings.NewReader(strings.Repeat("x", 2000)))
 		req.Header.Set("Idempotency-Key", "k-"+c.method)
 		req.Header.Set("Expect", "100-continue")
-		resp, err := srv.Client().Do(req)
+		resp, err := client.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -406,7 +408,9 @@ func TestSteadyUploadOutlastsTheTimeout(t *testing.T) {
 		pw.Close()
 	}()
 	req, _ := http.NewRequest("POST", srv.URL+"/upload", pr) // no key: streamed through
-	resp, err := srv.Client().Do(req)
+	client := *srv.Client()
+	client.Timeout = 10 * time.Second // a regression fails, it does not hang
+	resp, err := client.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
