@@ -566,7 +566,6 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 					cancel()
 				}
 			})
-			context.AfterFunc(ctx, func() { a.sending.Stop() })
 			if pr.Out.Body != nil && pr.Out.Body != http.NoBody {
 				pr.Out.Body = &sendingBody{ReadCloser: pr.Out.Body, a: a, timeout: timeout}
 			}
@@ -593,6 +592,9 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			a, _ := r.Context().Value(attemptKey{}).(*attempt)
+			if a != nil {
+				a.sending.Stop() // the attempt is over (the answer's way, ModifyResponse, stops it too)
+			}
 			status := http.StatusBadGateway
 			if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) || (a != nil && a.timedOut.Load()) {
 				status = http.StatusGatewayTimeout
