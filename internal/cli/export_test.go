@@ -1,0 +1,7 @@
+package cli
+
+// The internal tests' helpers, for the external tests (package cli_test).
+var (
+	EnvOf     = envOf
+	WriteFile = writeFile
+)
