@@ -425,9 +425,13 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		usageError(stderr, fs.Name(), err.Error())
 		return 2
 	}
-	open := storeopen.OpenEventually // a long-running reconciler rides out a store that is down
+	// A long-running reconciler rides out a store that is down (and, beside a
+	// proxy that has yet to start, may create the embedded store first). One
+	// pass reads a store that must be there: over a mistyped SQLite path it
+	// would find nothing to settle in a new, empty database and say so.
+	open := storeopen.OpenEventually
 	if *once {
-		open = storeopen.Open
+		open = storeopen.OpenExisting
 	}
 	store, keep, err := dep.resolve(fs, env)
 	if err != nil {

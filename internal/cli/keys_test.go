@@ -3,9 +3,12 @@ package cli_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -213,6 +216,18 @@ func TestReconcileCommand(t *testing.T) {
 	}
 	if code, _, _ := run(t, "reconcile", "--once", "--store", dsn); code != 2 {
 		t.Fatal("reconcile without a resolver URL accepted")
+	}
+
+	// One pass over a mistyped SQLite path is an error: it found nothing
+	// because there is nothing there, not because every record is settled
+	// (it reported "stale 0" on a new, empty database of its own making).
+	missing := filepath.Join(t.TempDir(), "idme.db")
+	code, out, errOut = run(t, "reconcile", "--once", "--store", "sqlite:"+missing, "--resolver-url", resolver.URL)
+	if code != 2 || !strings.Contains(errOut, "no database at") {
+		t.Fatalf("reconcile --once on a missing SQLite file: %d %q %q; want exit 2 (as idem keys) and the path named", code, out, errOut)
+	}
+	if _, err := os.Stat(missing); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("reconcile --once created %s: %v", missing, err)
 	}
 
 	// A lease that ran out a second ago: inside the default grace, not
