@@ -69,6 +69,9 @@ func (c *cache) put(rec Record) {
 	}
 	id := recordKey{rec.Scope, rec.Key}
 	size := int64(len(id.scope) + len(id.key) + len(rec.Response.Body) + len(rec.Fingerprint) + 256)
+	for _, cp := range rec.Checkpoints {
+		size += int64(len(cp.Name) + len(cp.Data) + 32)
+	}
 	for name, values := range rec.Response.Header {
 		size += int64(len(name))
 		for _, v := range values {

@@ -164,7 +164,9 @@ func (e *Engine) Close(ctx context.Context) error {
 	return e.journal.close(ctx)
 }
 
-// Pending reports how many outcomes wait in the journal for the store.
+// Pending reports how many outcomes wait in the journal for the store. (It
+// leaves out the releases of lost acquires that the store has answered but
+// that are sent again, in case the acquire lands late, until its lease ends.)
 func (e *Engine) Pending() int { return e.journal.len() }
 
 // retryPause is the real-time pause before retry n (0-based) of a store call
@@ -331,8 +333,15 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 		}
 		return decide(f.rec, p.Fingerprint, e.clock.Now()), nil
 	}
+	landed := false
+	defer func() {
+		if !landed { // the store panicked: the callers that joined must not wait for ever
+			e.flights.land(f, Record{}, fmt.Errorf("%w: the store's acquire panicked", ErrUnavailable))
+		}
+	}()
 	out, err := e.acquire(ctx, p, lease, retention)
 	e.flights.land(f, out.Record, err)
+	landed = true
 	return out, err
 }
 
@@ -360,7 +369,7 @@ func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention ti
 	if errors.Is(err, ErrUnavailable) {
 		// The acquire may have landed: release the record if it did.
 		e.journal.put(FinishParams{Scope: p.Scope, Key: p.Key, Token: token, Now: now, State: StateFailed,
-			Expires: now.Add(retention), Repeat: true}, p.Fingerprint)
+			Expires: now.Add(retention), Repeat: true}, p.Fingerprint, ap.LeaseExpires)
 	}
 	if err != nil {
 		return Outcome{}, err
@@ -513,7 +522,7 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 		e.notify(ctx, l.Scope, l.Key)
 		return nil
 	case errors.Is(err, ErrUnavailable):
-		if err := e.journal.put(p, l.Fingerprint); err != nil {
+		if err := e.journal.put(p, l.Fingerprint, time.Time{}); err != nil {
 			return err
 		}
 		e.notify(ctx, l.Scope, l.Key) // this engine's waiters find it in the journal

@@ -477,3 +477,39 @@ func TestCompleteAdoptsTheSameOutcome(t *testing.T) {
 		}
 	}
 }
+
+// panicking panics in its first Acquire: a bug in a store or its driver,
+// which net/http recovers in the handler that called Begin.
+type panicking struct {
+	idem.Store
+	once sync.Once
+}
+
+func (s *panicking) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	s.once.Do(func() { panic("a bug in the store") })
+	return s.Store.Acquire(ctx, p)
+}
+
+// TestStorePanicFreesTheKey: a store whose acquire panics once left the
+// key's acquire "in flight" in the engine for ever: every later request
+// for the key in this process waited on it until its own context ended,
+// and one without a deadline hung.
+func TestStorePanicFreesTheKey(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: &panicking{Store: memstore.New()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Error("the store's panic did not reach the caller")
+			}
+		}()
+		eng.Begin(ctx, charge)
+	}()
+	bounded, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if out, err := eng.Begin(bounded, charge); err != nil || out.Decision != idem.Execute {
+		t.Fatalf("the next request for the key: %v, %v; want Execute", out.Decision, err)
+	}
+}

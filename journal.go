@@ -48,7 +48,16 @@ type journalEntry struct {
 	V           int          `json:"v"`
 	Params      FinishParams `json:"params"`
 	Fingerprint Fingerprint  `json:"fingerprint"`
-	name        string
+	// Until is, for the release of an acquire whose answer was lost, when
+	// that acquire's lease would have ended. The acquire may still land
+	// (its statement held up in the store), so a release that finds no
+	// record is sent again until then.
+	Until time.Time `json:"until,omitzero"`
+	name  string
+	// early is set when the store answered the release that it holds no
+	// such record (yet): the release is kept for a late acquire, and no
+	// longer counts as an outcome waiting for the store.
+	early bool
 }
 
 func openJournal(e *Engine, dir string) (*journal, error) {
@@ -128,8 +137,10 @@ func entryName(p FinishParams) string {
 
 // put keeps p until the store takes it, and starts sending it again. It
 // returns nil once p is kept (synced to disk when the journal has a dir).
-func (j *journal) put(p FinishParams, fp Fingerprint) error {
-	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, name: entryName(p)}
+// until is, for a release, when the released acquire's lease ends (zero
+// otherwise).
+func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, name: entryName(p)}
 	if j.dir != "" {
 		if err := j.write(ent); err != nil {
 			j.e.log.Error("idem journal: cannot keep an outcome the store did not take", "key_hash", KeyHash(p.Scope, p.Key), "err", err)
@@ -218,10 +229,22 @@ func (j *journal) poke() {
 	}
 }
 
+// len counts the outcomes and releases that have not reached the store
+// (not the releases kept for a late acquire).
 func (j *journal) len() int {
 	j.mu.Lock()
 	defer j.mu.Unlock()
-	return len(j.entries)
+	return j.lenLocked()
+}
+
+func (j *journal) lenLocked() int {
+	n := 0
+	for _, ent := range j.entries {
+		if !ent.early {
+			n++
+		}
+	}
+	return n
 }
 
 // startLocked starts the drain loop unless it runs; the caller holds mu.
@@ -303,9 +326,19 @@ func (j *journal) land(ent *journalEntry) bool {
 	case err == nil:
 		log.Info("idem journal: stored an outcome that had waited for the store")
 		j.e.notify(context.Background(), p.Scope, p.Key)
+	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed && j.e.clock.Now().Before(ent.Until):
+		// A release of an acquire whose answer was lost, and no record under
+		// its token: the acquire has not landed, or the record has moved on.
+		// An acquire held up in the store can still land, and would hold the
+		// key for a request that never ran: the release is sent again until
+		// the acquire's lease would have ended.
+		j.mu.Lock()
+		ent.early = true
+		j.mu.Unlock()
+		return true
 	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed:
-		// A release of an acquire whose answer was lost: it had not landed,
-		// or the record has moved on. Either way nothing is blocked.
+		// The same, past the acquire's lease: a record it left has been
+		// taken over or marked UNKNOWN by now, for the reconciler.
 	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted && j.e.adopt(context.Background(), Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
 		log.Info("idem journal: the record was settled meanwhile with the same outcome")
 	case errors.Is(err, ErrLeaseLost):
@@ -332,11 +365,13 @@ func (j *journal) remove(ent *journalEntry) {
 	}
 }
 
-// close drains until empty or ctx ends, then stops the loop.
+// close drains until empty or ctx ends, then stops the loop. It does not
+// wait for the releases kept for a late acquire (in a dir, they are sent
+// again by the next engine opened on it, until their acquire's lease ends).
 func (j *journal) close(ctx context.Context) error {
 	for {
 		j.mu.Lock()
-		left, running, drained, closed := len(j.entries), j.running, j.drained, j.closed
+		left, running, drained, closed := j.lenLocked(), j.running, j.drained, j.closed
 		j.mu.Unlock()
 		if left == 0 || closed {
 			break
@@ -359,7 +394,7 @@ func (j *journal) close(ctx context.Context) error {
 		j.closed = true
 		close(j.stop)
 	}
-	left, drained := len(j.entries), j.drained
+	left, drained := j.lenLocked(), j.drained
 	j.mu.Unlock()
 	if drained != nil {
 		<-drained

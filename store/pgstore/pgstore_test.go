@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/pgstore"
@@ -1043,5 +1044,110 @@ func TestRefusedAccessIsDenied(t *testing.T) {
 		Response: &store.Response{Status: 201}, Expires: t0.Add(time.Hour)})
 	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrDenied) {
 		t.Fatalf("Finish as a role without privileges: %v; want ErrUnavailable and ErrDenied", err)
+	}
+}
+
+// observedFinish passes on each answer PostgreSQL gives the engine's Finish.
+type observedFinish struct {
+	*pgstore.Store
+	finished chan error
+}
+
+func (s observedFinish) Finish(ctx context.Context, p store.FinishParams) error {
+	err := s.Store.Finish(ctx, p)
+	select {
+	case s.finished <- err:
+	default:
+	}
+	return err
+}
+
+// TestReleaseOutlastsALateAcquire: an acquire that reached PostgreSQL but
+// whose answer never came back (its connection cut while it waited on
+// another transaction's insert of the same key; a commit waiting on a
+// stalled disk is another case) goes on in its backend: pgx's cancel request
+// could not get through, and a backend waiting on a lock does not notice
+// its client is gone. The engine's release of it (nothing ran) reached the
+// store first, found no record and was dropped; the acquire then committed,
+// and the record stood IN_PROGRESS under a lease nobody held: every retry of
+// a request that never ran got 409 until the lease ran out, then UNKNOWN
+// until a reconciler came. The release is now sent again until the
+// acquire's lease would have ended.
+func TestReleaseOutlastsALateAcquire(t *testing.T) {
+	_, schema := newStore(t)
+	server, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fault, err := faultnet.Listen(net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fault.Close()
+	cfg := server.Copy()
+	host, port, _ := net.SplitHostPort(fault.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	obs := observedFinish{Store: s, finished: make(chan error, 64)}
+	eng, err := idem.New(idem.Config{Store: obs, StoreTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close(ctx)
+
+	records := table(schema, "records")
+	tx, err := sharedPool(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `INSERT INTO `+records+` (scope, key, state, fingerprint, token, fence, lease_expires,
+		takeover_safe, created, updated) VALUES ('tenant', 'order-1', 'in_progress', 'other', 'other', 1, now(), false, now(), now())`); err != nil {
+		t.Fatal(err)
+	}
+	charge := idem.BeginParams{Scope: "tenant", Key: "order-1", Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/charges"}),
+		Lease: time.Minute}
+	begun := make(chan error, 1)
+	go func() {
+		_, err := eng.Begin(ctx, charge)
+		begun <- err
+	}()
+	wait.Until(t, 10*time.Second, "the acquire to wait on the other transaction", func() bool {
+		return countRows(t, sharedPool(t), `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%'`) == 1
+	})
+	end := fault.Outage() // its connection cut, and pgx's cancel request refused
+	if err := wait.Recv(t, begun, 10*time.Second, "Begin to give up"); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Begin whose acquire got no answer: %v; want ErrUnavailable", err)
+	}
+	end()
+	for {
+		err := wait.Recv(t, obs.finished, 10*time.Second, "the release to reach the store")
+		if errors.Is(err, idem.ErrLeaseLost) {
+			break // no record yet: the acquire still waits in its backend
+		}
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Fatalf("the release: %v; want ErrLeaseLost once the store answers", err)
+		}
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wait.Until(t, 10*time.Second, "the abandoned acquire to commit", func() bool {
+		return countRows(t, sharedPool(t), `SELECT count(*) FROM `+records+` WHERE key = 'order-1'`) == 1
+	})
+	wait.Until(t, 10*time.Second, "the release to settle the record the late acquire left (nothing ran under it)", func() bool {
+		return countRows(t, sharedPool(t), `SELECT count(*) FROM `+records+` WHERE key = 'order-1' AND state = 'failed'`) == 1
+	})
+	if out, err := eng.Begin(ctx, charge); err != nil || out.Decision != idem.Execute {
+		t.Fatalf("the client's retry: %v, %v; want Execute, the request never ran", out.Decision, err)
 	}
 }
