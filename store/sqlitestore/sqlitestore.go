@@ -407,6 +407,11 @@ func (s *Store) commit(ctx context.Context, writes []func(context.Context, *txn)
 // it is no database/sql transaction, which would cost a goroutine each.
 func (s *Store) try(ctx context.Context, writes []func(context.Context, *txn) error, run []int) (int, error) {
 	if _, err := s.beginStmt.ExecContext(ctx); err != nil {
+		// The driver reports a BEGIN that took the write lock as failed when
+		// ctx ended meanwhile: end the transaction it may have begun, or
+		// every later write on the connection fails and other processes
+		// stay locked out.
+		s.rollback()
 		return -1, err
 	}
 	in := &txn{conn: s.conn}
