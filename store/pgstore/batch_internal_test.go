@@ -305,3 +305,66 @@ func TestRebuildLetsWritesThrough(t *testing.T) {
 		t.Fatalf("records_due after the rebuild: %d rows, %d settled; want %d, 1", rows, settled, n)
 	}
 }
+
+// TestLockedRecordDoesNotHoldUpItsBatch: a record whose row a business
+// transaction holds (FinishTx done, its COMMIT not answered: slow, or its
+// client gone while the server keeps the transaction open) makes its
+// lease's renewal wait. Batched with that renewal, the acquire of an
+// unrelated key ran first (batches go in key order), kept that key's row
+// locked and waited with it: the other client got a false 503, and so did
+// its retries and every write queued behind the batch, for as long as the
+// renewal's caller waited. A write in a batch now waits for a row at most
+// batchLockTimeout, then fails alone (unavailable, for its caller to try
+// again) and its batch-mates go through.
+func TestLockedRecordDoesNotHoldUpItsBatch(t *testing.T) {
+	bg := context.Background()
+	s, _, schema := newStore(t, 3) // one runner
+	other, err := pgxpool.New(bg, testkit.Server(t, "IDEM_TEST_DATABASE_URL"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	now := time.Now().UTC().Truncate(time.Microsecond)
+	fp := store.Fingerprint("POST /charges sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+	acquire := func(key string) store.AcquireParams {
+		return store.AcquireParams{Key: key, Fingerprint: fp, Token: "tok-" + key, Now: now, LeaseExpires: now.Add(time.Minute)}
+	}
+	if _, err := s.Acquire(bg, acquire("zz")); err != nil {
+		t.Fatal(err)
+	}
+	business, err := other.Begin(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer business.Rollback(bg)
+	if err := s.FinishTx(bg, business, store.FinishParams{Key: "zz", Token: "tok-zz", Now: now, State: store.StateCompleted,
+		Response: &store.Response{Status: 201}, Expires: now.Add(time.Hour)}); err != nil {
+		t.Fatal(err)
+	}
+
+	release := holdRunner(t, s, other, schema)
+	q := &testkit.Queue{T: t, Waiting: s.writes.Queued, Results: map[string]chan error{}}
+	q.Add("renew zz", func() error { // the handler's lease renewal, meanwhile
+		c, cancel := context.WithTimeout(bg, 5*time.Second)
+		defer cancel()
+		return s.Renew(c, store.RenewParams{Key: "zz", Token: "tok-zz", Now: now, LeaseExpires: now.Add(2 * time.Minute)})
+	})
+	q.Add("acquire aa", func() error { // another client's new request
+		c, cancel := context.WithTimeout(bg, 3*time.Second)
+		defer cancel()
+		_, err := s.Acquire(c, acquire("aa"))
+		return err
+	})
+	release()
+	if err := wait.Recv(t, q.Results["acquire aa"], 10*time.Second, "acquire aa"); err != nil {
+		t.Errorf("the acquire of an unrelated key batched with the waiting renewal: %v; want it done", err)
+	}
+	if err := wait.Recv(t, q.Results["renew zz"], 10*time.Second, "renew zz"); !errors.Is(err, store.ErrUnavailable) {
+		t.Errorf("the renewal of the record the business transaction holds: %v; want ErrUnavailable (tried again by its caller)", err)
+	}
+	c, cancel := context.WithTimeout(bg, 3*time.Second)
+	defer cancel()
+	if _, err := s.Acquire(c, acquire("bb")); err != nil {
+		t.Errorf("the acquire of a third key, after: %v", err)
+	}
+}

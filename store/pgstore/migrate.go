@@ -3,14 +3,17 @@ package pgstore
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"io/fs"
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 //go:embed migrations/*.sql
@@ -60,11 +63,39 @@ func migrations() ([]migration, error) {
 // one applied. When everything is applied already it changes nothing and needs
 // no privilege beyond reading the migrations table. New calls it unless
 // [Config.NoMigrate] is set.
+//
+// A migration that changes records needs a lock that waits for every
+// transaction open on the table, and while it waits, every other statement
+// on the table waits behind it: one long transaction (a business
+// transaction between its FinishTx and its COMMIT) would stall the running
+// fleet's traffic for as long as it lasted. So a migration waits for a lock
+// at most migrateLockTimeout, then rolls back, steps aside for a moment and
+// tries again, until it is applied or ctx ends.
 func (s *Store) Migrate(ctx context.Context) error {
 	ms, err := migrations()
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
+	for n := 0; ; n++ {
+		err := s.migrate(ctx, ms)
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); !ok || pgErr.Code != "55P03" {
+			return err
+		}
+		pause := min(100*time.Millisecond<<n, 2*time.Second)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (it waited for a lock on the records table, which a transaction holds)", err)
+		case <-time.After(pause):
+		}
+	}
+}
+
+// migrateLockTimeout bounds how long one try of a migration waits for a
+// lock (see [Store.Migrate]).
+const migrateLockTimeout = "500ms"
+
+// migrate applies the migrations of ms not applied yet, in one transaction.
+func (s *Store) migrate(ctx context.Context, ms []migration) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
@@ -97,9 +128,16 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if err != nil {
 		return translate("migrate", err)
 	}
+	bounded := false
 	for _, m := range ms {
 		if slices.Contains(applied, int32(m.version)) {
 			continue
+		}
+		if !bounded { // the advisory lock above is held: from here, wait for a lock only briefly
+			if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', '"+migrateLockTimeout+"', true)"); err != nil {
+				return translate("migrate", err)
+			}
+			bounded = true
 		}
 		if _, err := tx.Exec(ctx, strings.ReplaceAll(m.sql, "{{schema}}", schema)); err != nil {
 			return translate("migrate "+m.name, err)

@@ -619,6 +619,16 @@ func (s *Store) batch(ctx context.Context, writes []*write) []error {
 	return store.Isolate(run, func(run []int) (int, error) { return s.send(ctx, writes, run) })
 }
 
+// batchLockTimeoutSQL bounds how long a statement of a batch waits for a
+// row that another transaction holds (a business transaction between its
+// FinishTx and its COMMIT, a client gone from it while the server keeps it
+// open): one write waiting would hold up every other write of its batch,
+// and the rows they had locked, for as long as it waited. Past the timeout
+// the statement fails (55P03, unavailable: its caller tries again) and the
+// others run again without it. A write sent alone waits as long as its
+// caller lets it, holding up nobody else.
+const batchLockTimeoutSQL = `SELECT set_config('lock_timeout', '1s', true)`
+
 // send runs the writes in run as one batch. When a statement fails it
 // returns that write's position in run and its error; otherwise -1 and the
 // batch's error (nil once committed).
@@ -629,10 +639,15 @@ func (s *Store) send(ctx context.Context, writes []*write, run []int) (int, erro
 			func() (pgconn.CommandTag, error) { return s.pool.Exec(ctx, w.sql, w.args...) })
 	}
 	b := &pgx.Batch{}
+	b.Queue(batchLockTimeoutSQL)
 	for _, i := range run {
 		b.Queue(writes[i].sql, writes[i].args...)
 	}
 	res := s.pool.SendBatch(ctx, b)
+	if _, err := res.Exec(); err != nil {
+		res.Close()
+		return -1, err
+	}
 	for pos, i := range run {
 		if err := writes[i].answer(res.QueryRow, res.Exec); err != nil {
 			res.Close()

@@ -1151,3 +1151,70 @@ func TestReleaseOutlastsALateAcquire(t *testing.T) {
 		t.Fatalf("the client's retry: %v, %v; want Execute, the request never ran", out.Decision, err)
 	}
 }
+
+// TestMigrationLetsTrafficThrough: a fleet at migration 2 has a business
+// transaction open on records (a FinishTx whose COMMIT has not come; a
+// client gone from it). A new instance's New applies migration 3, whose
+// CREATE TRIGGER and DROP INDEX wait for that transaction; every write of
+// every instance to records queued behind the migration's lock request for
+// as long as the transaction stayed open: 503s across the fleet during the
+// deploy. The migration now waits for its locks briefly, steps back and
+// tries again, and finishes once the transaction ends.
+func TestMigrationLetsTrafficThrough(t *testing.T) {
+	schema := newSchema(t)
+	pool := sharedPool(t)
+	quoted := pgx.Identifier{schema}.Sanitize()
+	stmts := []string{"CREATE SCHEMA " + quoted,
+		"CREATE TABLE " + table(schema, "migrations") + " (version integer PRIMARY KEY, applied timestamptz NOT NULL)"}
+	for _, f := range []string{"migrations/001_records.sql", "migrations/002_checkpoints.sql"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stmts = append(stmts, strings.ReplaceAll(string(b), "{{schema}}", quoted))
+	}
+	stmts = append(stmts, "INSERT INTO "+table(schema, "migrations")+" VALUES (1, now()), (2, now())")
+	for _, k := range []string{"r1", "r2"} {
+		stmts = append(stmts, `INSERT INTO `+table(schema, "records")+` (scope, key, state, fingerprint, token, fence, lease_expires,
+			takeover_safe, created, updated) VALUES ('s', '`+k+`', 'in_progress', 'f', 'tok', 1, now() + interval '1 minute', false, now(), now())`)
+	}
+	for _, stmt := range stmts {
+		if _, err := pool.Exec(ctx, stmt); err != nil {
+			t.Fatalf("%s: %v", stmt, err)
+		}
+	}
+	business, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer business.Rollback(ctx)
+	if _, err := business.Exec(ctx, "UPDATE "+table(schema, "records")+
+		" SET state = 'completed', response = '\\x00', expires = now() + interval '1 day' WHERE key = 'r1'"); err != nil {
+		t.Fatal(err)
+	}
+
+	started := make(chan error, 1)
+	go func() {
+		bounded, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		_, err := pgstore.New(bounded, pgstore.Config{Pool: pool, Schema: schema})
+		started <- err
+	}()
+	wait.Until(t, 10*time.Second, "the migration to wait for a lock on records", func() bool {
+		return countRows(t, pool, `SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND NOT granted`, table(schema, "records")) > 0
+	})
+	for i := range 3 { // writes of the running fleet, for longer than a migration's wait
+		c, cancel := context.WithTimeout(ctx, 3*time.Second)
+		_, err := pool.Exec(c, "UPDATE "+table(schema, "records")+" SET lease_expires = now() + interval '2 minutes' WHERE key = 'r2'")
+		cancel()
+		if err != nil {
+			t.Fatalf("write %d to another record while the migration waits: %v; want it through", i, err)
+		}
+	}
+	if err := business.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.Recv(t, started, 30*time.Second, "New, once the transaction ended"); err != nil {
+		t.Fatalf("New: %v", err)
+	}
+}
