@@ -16,6 +16,13 @@
 // and, as figures: operations, requests, faults injected, UNKNOWN records
 // left once the reconciler has run, and the time to recover from the outage.
 //
+// The history is checked once nothing can change it: the journals empty and
+// no stale record left, every proxy stopped and the upstream idle (a request
+// sent before a proxy stopped may still be running there). Each outcome a
+// client saw is then read from the store itself, and replayed through one
+// more proxy started with no cache of completed records, since a running
+// proxy would replay from its cache a record the store lost.
+//
 // Run it with go test ./internal/chaos (see chaos_test.go for its flags).
 package chaos
 
@@ -23,6 +30,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	mrand "math/rand/v2"
@@ -39,6 +47,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/storeopen"
 )
@@ -68,8 +77,9 @@ type Config struct {
 	// KillEvery is how often a proxy is SIGKILLed (and restarted); zero
 	// for never.
 	KillEvery time.Duration
-	// CutStore terminates the store's connections; CutEvery is how often.
-	CutStore func()
+	// CutStore terminates the store's connections and returns how many it
+	// terminated; CutEvery is how often.
+	CutStore func() int
 	CutEvery time.Duration
 	// Outage makes the store unreachable until the function it returns is
 	// called; OutageFor is how long (zero: no outage). It starts once a
@@ -89,16 +99,19 @@ type Report struct {
 	Requests            int64
 	Executions          int64
 	Elapsed             time.Duration
-	Kills               int
+	Kills               int // SIGKILLs that killed a running proxy
 	ClientRepliesLost   int64
 	ClientRequestsCut   int64
 	UpstreamRepliesLost int64
 	UpstreamRequestsCut int64
-	StoreCuts           int
+	StoreCuts           int // store cuts that terminated at least one connection
 	Outages             int
-	Recovery            time.Duration // from the end of the outage to the first request served
+	Recovery            time.Duration // from the end of the outage to the first request served; zero if none was
+	Reconciled          int           // operations the reconciler asked the upstream about: their record went UNKNOWN (or stale)
 	UnknownLeft         int           // records still stale once the reconciler had its time
+	JournaledLeft       int           // outcomes still in a journal once the proxies had their time
 	DoubleExecutions    int
+	Miscounted          int // 1 when the upstream's executions are not one per operation and recovery probe
 	LostOutcomes        int
 	AckedUnexecuted     int
 	DivergentOutcomes   int // duplicates of one key that saw different outcomes
@@ -109,19 +122,20 @@ type Report struct {
 	Violations          []string
 }
 
-// OK reports whether every invariant held.
+// OK reports whether every invariant held: every count of a violation is
+// zero, and nothing else was reported as one.
 func (r *Report) OK() bool {
-	return r.DoubleExecutions == 0 && r.LostOutcomes == 0 && r.AckedUnexecuted == 0 && r.DivergentOutcomes == 0 && r.Unpromised == 0 && r.Reconstructed == 0 &&
-		r.Unexpected == 0 && r.NoFinalAnswer == 0 && r.UnknownLeft == 0
+	return r.DoubleExecutions == 0 && r.Miscounted == 0 && r.LostOutcomes == 0 && r.AckedUnexecuted == 0 && r.DivergentOutcomes == 0 && r.Unpromised == 0 && r.Reconstructed == 0 &&
+		r.Unexpected == 0 && r.NoFinalAnswer == 0 && r.UnknownLeft == 0 && r.JournaledLeft == 0 && len(r.Violations) == 0
 }
 
 func (r *Report) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "store %s: %d operations (%d requests, %d executions) in %v\n", r.Store, r.Ops, r.Requests, r.Executions, r.Elapsed.Round(time.Millisecond))
-	fmt.Fprintf(&b, "faults: %d proxy SIGKILLs, %d client replies lost, %d client requests cut, %d upstream replies lost, %d upstream requests cut, %d store connection cuts, %d store outages\n",
-		r.Kills, r.ClientRepliesLost, r.ClientRequestsCut, r.UpstreamRepliesLost, r.UpstreamRequestsCut, r.StoreCuts, r.Outages)
-	fmt.Fprintf(&b, "double executions %d, lost outcomes %d, acknowledged without execution %d, answered before kept %d, divergent duplicates %d, no final answer %d, unexpected answers %d, UNKNOWN left %d",
-		r.DoubleExecutions, r.LostOutcomes, r.AckedUnexecuted, r.Unpromised, r.DivergentOutcomes, r.NoFinalAnswer, r.Unexpected, r.UnknownLeft)
+	fmt.Fprintf(&b, "faults: %d proxy SIGKILLs, %d client replies lost, %d client requests cut, %d upstream replies lost, %d upstream requests cut, %d store connection cuts, %d store outages; %d operations went to the reconciler\n",
+		r.Kills, r.ClientRepliesLost, r.ClientRequestsCut, r.UpstreamRepliesLost, r.UpstreamRequestsCut, r.StoreCuts, r.Outages, r.Reconciled)
+	fmt.Fprintf(&b, "double executions %d, executions miscounted %d, lost outcomes %d, acknowledged without execution %d, answered before kept %d, divergent duplicates %d, no final answer %d, unexpected answers %d, UNKNOWN left %d, journaled left %d",
+		r.DoubleExecutions, r.Miscounted, r.LostOutcomes, r.AckedUnexecuted, r.Unpromised, r.DivergentOutcomes, r.NoFinalAnswer, r.Unexpected, r.UnknownLeft, r.JournaledLeft)
 	fmt.Fprintf(&b, ", stored by the reconciler instead of their owner %d", r.Reconstructed)
 	if r.Outages > 0 {
 		fmt.Fprintf(&b, ", recovery after the outage %v", r.Recovery.Round(time.Millisecond))
@@ -147,18 +161,21 @@ type seen struct {
 }
 
 type runner struct {
-	cfg      Config
-	up       *upstream
-	upFault  *faultnet.Proxy
-	upSrv    *http.Server
-	proxies  []*proxyProc
-	recon    *proc
-	client   *http.Client
-	requests atomic.Int64
-	mu       sync.Mutex
-	seen     map[string][]seen
-	ops      map[string]op
-	report   Report
+	cfg        Config
+	up         *upstream
+	upFault    *faultnet.Proxy
+	upSrv      *http.Server  // the upstream, for the proxies
+	upServed   chan struct{} // closed when upSrv's Serve has returned
+	resolveSrv *http.Server  // the upstream, for the reconciler
+	proxies    []*proxyProc
+	replayer   *proxyProc // the proxy with no cache that replays at the end
+	recon      *proc
+	client     *http.Client
+	requests   atomic.Int64
+	mu         sync.Mutex
+	seen       map[string][]seen
+	ops        map[string]op
+	report     Report
 }
 
 // Run runs the suite and returns its report; an error means the run itself
@@ -177,27 +194,41 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	began := time.Now()
 	r.runOps(ctx)
 	r.report.Elapsed = time.Since(began)
-	if err := r.settle(ctx); err != nil {
+	opened, err := storeopen.Open(ctx, cfg.Store)
+	if err != nil {
 		return nil, err
 	}
-	r.verify()
+	defer opened.Close()
+	eng, err := idem.New(idem.Config{Store: opened.Store, CacheSize: -1})
+	if err != nil {
+		return nil, err
+	}
+	if err := r.settle(ctx, eng); err != nil {
+		return nil, err
+	}
+	if err := r.drain(); err != nil {
+		return nil, err
+	}
+	if err := r.verify(ctx, eng); err != nil {
+		return nil, err
+	}
 	return &r.report, nil
 }
 
 // start brings up the upstream, the proxies and the reconciler.
 func (r *runner) start() error {
+	if err := r.serveUpstream(); err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
 	}
-	r.upSrv = &http.Server{Handler: r.up}
-	go r.upSrv.Serve(ln)
-	if r.upFault, err = faultnet.Listen(ln.Addr().String()); err != nil {
-		return err
-	}
+	r.resolveSrv = &http.Server{Handler: r.up}
+	go r.resolveSrv.Serve(ln)
 	r.upFault.SetFaults(r.cfg.UpstreamFaults)
 	for i := range r.cfg.Proxies {
-		p, err := newProxyProc(r.cfg, i, "http://"+r.upFault.Addr())
+		p, err := newProxyProc(r.cfg, strconv.Itoa(i), "http://"+r.upFault.Addr())
 		if err != nil {
 			return err
 		}
@@ -216,10 +247,29 @@ func (r *runner) start() error {
 	return nil
 }
 
+// serveUpstream serves the upstream to the proxies, behind a fault proxy,
+// its connections tracked (upstream.track).
+func (r *runner) serveUpstream() error {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	r.upSrv = &http.Server{Handler: r.up, ConnState: r.up.track}
+	r.upServed = make(chan struct{})
+	go func() {
+		defer close(r.upServed)
+		r.upSrv.Serve(ln)
+	}()
+	r.upFault, err = faultnet.Listen(ln.Addr().String())
+	return err
+}
+
 func (r *runner) stop() {
-	for _, p := range r.proxies {
-		p.terminate()
-		p.fault.Close()
+	for _, p := range append(r.proxies, r.replayer) {
+		if p != nil {
+			p.terminate()
+			p.fault.Close()
+		}
 	}
 	if r.recon != nil {
 		r.recon.terminate()
@@ -229,6 +279,9 @@ func (r *runner) stop() {
 	}
 	if r.upSrv != nil {
 		r.upSrv.Close()
+	}
+	if r.resolveSrv != nil {
+		r.resolveSrv.Close()
 	}
 }
 
@@ -323,6 +376,13 @@ func (r *runner) do(ctx context.Context, o op, rng *mrand.Rand) {
 	r.violation(&r.report.NoFinalAnswer, "key %s: no final answer within %v", o.key, r.cfg.OpTimeout)
 }
 
+// authorization is the clients' Authorization header.
+const authorization = "Bearer sk_chaos"
+
+// probePrefix begins the keys of the requests that measure the recovery
+// from the outage.
+const probePrefix = "probe-"
+
 func (r *runner) send(ctx context.Context, base string, o op) (seen, error) {
 	r.requests.Add(1)
 	var body io.Reader
@@ -334,7 +394,7 @@ func (r *runner) send(ctx context.Context, base string, o op) (seen, error) {
 		return seen{}, err
 	}
 	req.Header.Set("Idempotency-Key", o.key)
-	req.Header.Set("Authorization", "Bearer sk_chaos")
+	req.Header.Set("Authorization", authorization)
 	if o.body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
@@ -348,10 +408,14 @@ func (r *runner) send(ctx context.Context, base string, o op) (seen, error) {
 		expiry: resp.Header.Get("Idempotency-Expires"), replayed: resp.Header.Get("Idempotent-Replayed") == "true"}, err
 }
 
+// violation counts a broken invariant in counter (when not nil) and keeps
+// its description (the first 20); any description fails the run.
 func (r *runner) violation(counter *int, format string, args ...any) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	*counter++
+	if counter != nil {
+		*counter++
+	}
 	if len(r.report.Violations) < 20 {
 		r.report.Violations = append(r.report.Violations, fmt.Sprintf(format, args...))
 	}
@@ -383,16 +447,18 @@ func (r *runner) faultLoops(wg *sync.WaitGroup, done <-chan struct{}, opsDone *a
 	}
 	every(r.cfg.KillEvery, func(rng *mrand.Rand) {
 		p := r.proxies[rng.IntN(len(r.proxies))]
-		p.kill()
-		r.report.Kills++
+		if p.kill() {
+			r.report.Kills++
+		}
 		if err := p.start(); err != nil {
 			r.cfg.Logf("restarting %s: %v", p.name, err)
 		}
 	})
 	if r.cfg.CutStore != nil {
 		every(r.cfg.CutEvery, func(*mrand.Rand) {
-			r.cfg.CutStore()
-			r.report.StoreCuts++
+			if r.cfg.CutStore() > 0 {
+				r.report.StoreCuts++
+			}
 		})
 	}
 	if r.cfg.Outage != nil && r.cfg.OutageFor > 0 {
@@ -412,9 +478,9 @@ func (r *runner) faultLoops(wg *sync.WaitGroup, done <-chan struct{}, opsDone *a
 			end()
 			r.report.Outages++
 			ended := time.Now()
-			for i := 0; ; i++ {
+			for i := 0; time.Since(ended) < recoveryBound; i++ {
 				got, err := r.send(context.Background(), "http://"+r.proxies[i%len(r.proxies)].listen,
-					op{key: fmt.Sprintf("probe-%d-%d", ended.UnixNano(), i), method: "POST", path: "/v1/probe", body: []byte("{}")})
+					op{key: fmt.Sprintf("%s%d-%d", probePrefix, ended.UnixNano(), i), method: "POST", path: "/v1/probe", body: []byte("{}")})
 				if err == nil && got.status == http.StatusCreated {
 					r.report.Recovery = time.Since(ended)
 					r.cfg.Logf("served again %v after the outage", r.report.Recovery.Round(time.Millisecond))
@@ -422,13 +488,26 @@ func (r *runner) faultLoops(wg *sync.WaitGroup, done <-chan struct{}, opsDone *a
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
+			r.cfg.Logf("no request served within %v of the outage's end", recoveryBound)
 		}()
 	}
 }
 
+// The bounds of the end of a run.
+const (
+	// settleBound is how long the journals and the reconciler have to settle
+	// what the faults left once they stop.
+	settleBound = 60 * time.Second
+	// idleBound is how long the upstream has to finish the requests the
+	// proxies sent before they stopped.
+	idleBound = 30 * time.Second
+	// recoveryBound is how long after the outage a request must be served.
+	recoveryBound = time.Minute
+)
+
 // settle turns the faults off, restarts every proxy that is down, and waits
 // until the journals are empty and the reconciler has settled what it can.
-func (r *runner) settle(ctx context.Context) error {
+func (r *runner) settle(ctx context.Context, eng *idem.Engine) error {
 	r.upFault.SetFaults(faultnet.Faults{})
 	for _, p := range r.proxies {
 		p.fault.SetFaults(faultnet.Faults{})
@@ -438,45 +517,16 @@ func (r *runner) settle(ctx context.Context) error {
 			}
 		}
 	}
-	r.report.Executions = r.up.total()
-	opened, err := storeopen.Open(ctx, r.cfg.Store)
-	if err != nil {
-		return err
-	}
-	defer opened.Close()
-	eng, err := idem.New(idem.Config{Store: opened.Store})
-	if err != nil {
-		return err
-	}
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		pending := 0
+	journaled := func() int {
+		n := 0
 		for _, p := range r.proxies {
 			entries, _ := filepath.Glob(filepath.Join(p.journal, "*.json"))
-			pending += len(entries)
+			n += len(entries)
 		}
-		stale := 0
-		cursor := ""
-		for {
-			res, err := eng.Scan(ctx, 0, cursor)
-			if err != nil {
-				break
-			}
-			stale += len(res.Records)
-			if cursor = res.Cursor; cursor == "" {
-				break
-			}
-		}
-		if pending == 0 && stale == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			var n int
-			r.violation(&n, "%d stale records and %d journaled outcomes left 60s after the run", stale, pending)
-			r.report.UnknownLeft = stale
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
+		return n
+	}
+	if err := r.awaitSettled(ctx, settleBound, journaled, func(ctx context.Context) (int, error) { return stale(ctx, eng) }); err != nil {
+		return err
 	}
 	var cs, cr int64
 	for _, p := range r.proxies {
@@ -490,26 +540,151 @@ func (r *runner) settle(ctx context.Context) error {
 	return nil
 }
 
-// verify checks the invariants against the recorded history.
-func (r *runner) verify() {
-	r.report.Requests = r.requests.Load()
-	r.up.mu.Lock()
-	for k, runs := range r.up.runs {
-		if len(runs) > 1 {
-			ids := make([]int64, len(runs))
-			for i, e := range runs {
-				ids[i] = e.ID
+// awaitSettled waits, up to bound, until no journal holds an outcome and
+// the store lists no stale record. What is left then is counted as a
+// violation (JournaledLeft, UnknownLeft); a store that cannot list its
+// stale records at the end is an error, since nothing can be said then.
+func (r *runner) awaitSettled(ctx context.Context, bound time.Duration, journaled func() int, stale func(context.Context) (int, error)) error {
+	deadline := time.Now().Add(bound)
+	for {
+		pending := journaled()
+		n, err := stale(ctx)
+		if err == nil && pending == 0 && n == 0 {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if time.Now().After(deadline) {
+			if err != nil {
+				return fmt.Errorf("settling: the store's stale records could not be listed %v after the run: %w", bound, err)
 			}
-			r.up.mu.Unlock()
-			r.violation(&r.report.DoubleExecutions, "key %s: executed %d times (executions %v)", k, len(runs), ids)
-			r.up.mu.Lock()
+			r.report.UnknownLeft, r.report.JournaledLeft = n, pending
+			r.violation(nil, "%d stale records and %d journaled outcomes left %v after the run", n, pending, bound)
+			return nil
+		}
+		time.Sleep(200 * time.Millisecond) // nothing signals that the store settled: look again
+	}
+}
+
+// stale counts the store's stale records, every page of them.
+func stale(ctx context.Context, eng *idem.Engine) (int, error) {
+	n, cursor := 0, ""
+	for {
+		res, err := eng.Scan(ctx, 0, cursor)
+		if err != nil {
+			return 0, err
+		}
+		n += len(res.Records)
+		if cursor = res.Cursor; cursor == "" {
+			return n, nil
 		}
 	}
+}
+
+// drain stops every proxy at once, then the way to the upstream, and counts
+// the executions once the upstream has finished what it was running.
+func (r *runner) drain() error {
+	var wg sync.WaitGroup
+	for _, p := range r.proxies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.terminate()
+		}()
+	}
+	wg.Wait()
+	return r.quiesce()
+}
+
+// quiesce closes the way to the upstream — the fault proxy (whose Close
+// waits for the bytes on their way), then the server and its listener — and
+// waits until no connection is open to the upstream, so that no request is
+// still running there, then counts the executions. A request a proxy sent
+// before it stopped is recorded only once it has run, which may be well
+// after the proxy is gone.
+func (r *runner) quiesce() error {
+	r.upFault.Close()
+	r.upSrv.Close()
+	select {
+	case <-r.upServed: // every connection it accepted is counted as open
+	case <-time.After(idleBound):
+		return fmt.Errorf("the upstream's server did not stop within %v", idleBound)
+	}
+	if !r.up.waitIdle(idleBound) {
+		return fmt.Errorf("the upstream still had a connection open %v after every proxy stopped: its executions cannot be counted", idleBound)
+	}
+	r.report.Executions = r.up.total()
+	return nil
+}
+
+// verify checks the invariants against the recorded history, once nothing
+// can change it: the executions, then each outcome a client saw, in the
+// store and through a proxy with no cache.
+func (r *runner) verify(ctx context.Context, eng *idem.Engine) error {
+	r.report.Requests = r.requests.Load()
+	r.checkExecutions()
+	// Its upstream is the one the other proxies used, closed by now: a
+	// replay that would run the request again gets a 502 and is counted.
+	p, err := newProxyProc(r.cfg, "replayer", "http://"+r.upFault.Addr(), "--cache-size", "-1")
+	if err != nil {
+		return err
+	}
+	r.replayer = p
+	if err := p.start(); err != nil {
+		return err
+	}
+	r.checkOutcomes(func(o op) (idem.Record, error) { return storedRecord(ctx, eng, o.key) },
+		func(o op) (seen, error) { return r.send(ctx, "http://"+p.listen, o) })
+	return nil
+}
+
+// checkExecutions checks the executions the upstream recorded: none twice,
+// and one per operation and recovery probe in all.
+func (r *runner) checkExecutions() {
+	r.up.mu.Lock()
+	runs := make(map[string][]execution, len(r.up.runs))
+	for k, v := range r.up.runs {
+		runs[k] = v
+	}
 	r.up.mu.Unlock()
+	probes := 0
+	for k, execs := range runs {
+		if strings.HasPrefix(k, probePrefix) {
+			probes++
+		}
+		if len(execs) > 1 {
+			ids := make([]int64, len(execs))
+			for i, e := range execs {
+				ids[i] = e.ID
+			}
+			r.violation(&r.report.DoubleExecutions, "key %s: executed %d times (executions %v)", k, len(execs), ids)
+		}
+	}
+	if want := int64(r.cfg.Ops + probes); r.report.Executions != want {
+		r.violation(&r.report.Miscounted, "%d executions at the upstream, for %d operations and %d recovery probes executed: want %d", r.report.Executions, r.cfg.Ops, probes, want)
+	}
+	r.mu.Lock()
+	keys := make([]string, 0, len(r.ops))
+	for k := range r.ops {
+		keys = append(keys, k)
+	}
+	r.mu.Unlock()
+	for _, k := range keys {
+		if r.up.askedAbout(k) {
+			r.report.Reconciled++
+		}
+	}
+}
+
+// checkOutcomes checks every outcome a client saw: duplicates saw the same,
+// an execution at the upstream answered it, stored is the record the store
+// holds (it must hold the outcome, as its owner stored it), and replay its
+// retry (it must get the outcome back).
+func (r *runner) checkOutcomes(stored func(op) (idem.Record, error), replay func(op) (seen, error)) {
 	r.mu.Lock()
 	seenByKey := r.seen
 	r.mu.Unlock()
-	i := 0
 	for key, outs := range seenByKey {
 		first := outs[0]
 		for _, o := range outs[1:] {
@@ -522,15 +697,53 @@ func (r *runner) verify() {
 		if err := json.Unmarshal(first.body, &a); err != nil || len(runs) == 0 || !containsExec(runs, a.Exec, first.body) {
 			r.violation(&r.report.AckedUnexecuted, "key %s: the client saw %d %s, which no execution at the upstream answered", key, first.status, first.body)
 		}
-		// The replay, through a proxy, with no fault on the way.
 		o := r.opOf(key)
-		got, err := r.send(context.Background(), "http://"+r.proxies[i%len(r.proxies)].listen, o)
-		i++
-		if err != nil || got.status != first.status || !bytes.Equal(got.body, first.body) || got.contentType != first.contentType {
-			r.violation(&r.report.LostOutcomes, "key %s: the client saw %d %s; the retry got %d %s (%v)", key, first.status, first.body, got.status, got.body, err)
-		} else if got.expiry != first.expiry {
-			r.violation(&r.report.Reconstructed, "key %s: the client saw an outcome its owner did not store: the retry got it as the reconciler stored it (without Idempotency-Expires %q)", key, first.expiry)
+		rec, err := stored(o)
+		if err != nil || rec.State != idem.StateCompleted || rec.Response == nil || rec.Response.BodyOmitted ||
+			rec.Response.Status != first.status || !bytes.Equal(rec.Response.Body, first.body) || rec.Response.Header.Get("Content-Type") != first.contentType {
+			r.violation(&r.report.LostOutcomes, "key %s: the client saw %d %s; the store holds %s", key, first.status, first.body, describe(rec, err))
+			continue
 		}
+		if rec.Response.Header.Get(idem.HeaderExpires) != first.expiry {
+			r.violation(&r.report.Reconstructed, "key %s: the client saw an outcome its owner did not store: the store holds it as the reconciler stored it (Idempotency-Expires %q, not %q)",
+				key, rec.Response.Header.Get(idem.HeaderExpires), first.expiry)
+			continue
+		}
+		got, err := replay(o)
+		if err != nil || got.status != first.status || !bytes.Equal(got.body, first.body) || got.contentType != first.contentType {
+			r.violation(&r.report.LostOutcomes, "key %s: the client saw %d %s; the retry through a proxy with no cache got %d %s (%v)", key, first.status, first.body, got.status, got.body, err)
+		} else if got.expiry != first.expiry {
+			r.violation(&r.report.Reconstructed, "key %s: the client saw an outcome its owner did not store: the retry got it as the reconciler stored it (Idempotency-Expires %q, not %q)", key, got.expiry, first.expiry)
+		}
+	}
+}
+
+// describe says what a store answered for a record, for a violation.
+func describe(rec idem.Record, err error) string {
+	switch {
+	case err != nil:
+		return "no record: " + err.Error()
+	case rec.Response == nil:
+		return fmt.Sprintf("a record %s with no outcome", rec.State)
+	}
+	return fmt.Sprintf("a record %s with %d %s (Content-Type %q, body omitted %v)", rec.State, rec.Response.Status, rec.Response.Body,
+		rec.Response.Header.Get("Content-Type"), rec.Response.BodyOmitted)
+}
+
+// scope is the scope the proxies keep the suite's records under: the
+// SHA-256 of the clients' Authorization, idem proxy's default scope header.
+var scope = httpidem.HashScope("Authorization")(&http.Request{Header: http.Header{"Authorization": {authorization}}})
+
+// storedRecord reads key's record from the store itself, asking again for a
+// while if the store does not answer.
+func storedRecord(ctx context.Context, eng *idem.Engine, key string) (idem.Record, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rec, err := eng.Get(ctx, scope, key)
+		if !errors.Is(err, idem.ErrUnavailable) || time.Now().After(deadline) {
+			return rec, err
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 
@@ -593,16 +806,24 @@ func (p *proc) running() bool {
 	}
 }
 
-// kill SIGKILLs the process and waits for it to be gone.
-func (p *proc) kill() {
+// kill SIGKILLs the process and waits for it to be gone. It reports whether
+// it killed it: false if the process was not running, or ended otherwise.
+func (p *proc) kill() bool {
 	p.mu.Lock()
 	cmd, exited := p.cmd, p.exited
 	p.mu.Unlock()
 	if cmd == nil {
-		return
+		return false
+	}
+	select {
+	case <-exited:
+		return false
+	default:
 	}
 	cmd.Process.Kill()
 	<-exited
+	ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
 }
 
 // terminate asks the process to stop (SIGTERM) and kills it if it has not
@@ -631,7 +852,9 @@ type proxyProc struct {
 	fault                  *faultnet.Proxy
 }
 
-func newProxyProc(cfg Config, i int, upstream string) (*proxyProc, error) {
+// newProxyProc prepares the proxy named id (its files are named after it)
+// in front of upstream; extra are more flags.
+func newProxyProc(cfg Config, id, upstream string, extra ...string) (*proxyProc, error) {
 	listen, err := freeAddr()
 	if err != nil {
 		return nil, err
@@ -644,10 +867,10 @@ func newProxyProc(cfg Config, i int, upstream string) (*proxyProc, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &proxyProc{listen: listen, admin: admin, journal: filepath.Join(cfg.Dir, "journal-"+strconv.Itoa(i)), fault: fault}
-	p.proc = &proc{name: "proxy-" + strconv.Itoa(i), bin: cfg.Bin, log: filepath.Join(cfg.Dir, "proxy-"+strconv.Itoa(i)+".log"),
-		args: []string{"proxy", "--listen", listen, "--admin-listen", admin, "--upstream", upstream, "--store", cfg.Store,
-			"--journal-dir", p.journal, "--lease", "2s", "--wait", "2s", "--store-timeout", "1s", "--shutdown-timeout", "5s"}}
+	p := &proxyProc{listen: listen, admin: admin, journal: filepath.Join(cfg.Dir, "journal-"+id), fault: fault}
+	p.proc = &proc{name: "proxy-" + id, bin: cfg.Bin, log: filepath.Join(cfg.Dir, "proxy-"+id+".log"),
+		args: append([]string{"proxy", "--listen", listen, "--admin-listen", admin, "--upstream", upstream, "--store", cfg.Store,
+			"--journal-dir", p.journal, "--lease", "2s", "--wait", "2s", "--store-timeout", "1s", "--shutdown-timeout", "5s"}, extra...)}
 	return p, nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	mrand "math/rand/v2"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -25,16 +26,67 @@ type execution struct {
 // upstream is the API behind the proxies: it numbers every request it runs
 // (each one is a side effect, a charge), remembers what it answered, and
 // answers the reconciler's question "what became of key K?" from that.
+//
+// It also counts the connections open to it (track), so that the suite can
+// wait until no request is running there before it counts the executions: a
+// request a proxy sent just before it stopped is recorded only once its
+// delay is over.
 type upstream struct {
-	mu    sync.Mutex
-	next  int64
-	runs  map[string][]execution // by idempotency key
-	slow  float64                // probability of a slow request
-	delay time.Duration          // how slow
+	mu      sync.Mutex
+	next    int64
+	runs    map[string][]execution // by idempotency key
+	asked   map[string]bool        // keys the reconciler asked about
+	open    int                    // connections open, from track
+	changed chan struct{}          // closed, and replaced, whenever open changes
+	slow    float64                // probability of a slow request
+	delay   time.Duration          // how slow
+	// hold, when set, is called by every execution before it is recorded:
+	// tests hold one there to make it late.
+	hold func()
 }
 
 func newUpstream(slow float64, delay time.Duration) *upstream {
-	return &upstream{runs: map[string][]execution{}, slow: slow, delay: delay}
+	return &upstream{runs: map[string][]execution{}, asked: map[string]bool{}, changed: make(chan struct{}), slow: slow, delay: delay}
+}
+
+// track is the ConnState hook of the server the proxies reach the upstream
+// through. A request runs within its connection, which the server closes
+// only once the handler has returned: while none is open, none runs.
+func (u *upstream) track(_ net.Conn, s http.ConnState) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	switch s {
+	case http.StateNew:
+		u.open++
+	case http.StateClosed, http.StateHijacked:
+		u.open--
+	default:
+		return
+	}
+	close(u.changed)
+	u.changed = make(chan struct{})
+}
+
+// waitIdle waits up to d until no connection is open to the upstream, and
+// reports whether that happened. Once nothing can connect any more (the
+// proxies and the server's listener are closed), an idle upstream runs
+// nothing more, and its executions can be counted.
+func (u *upstream) waitIdle(d time.Duration) bool {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	for {
+		u.mu.Lock()
+		open, changed := u.open, u.changed
+		u.mu.Unlock()
+		if open == 0 {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return false
+		}
+	}
 }
 
 // answer is the body of every response: enough to tell which execution a
@@ -60,6 +112,9 @@ func (u *upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(u.delay)
 	} else {
 		time.Sleep(time.Duration(mrand.IntN(3000)) * time.Microsecond)
+	}
+	if u.hold != nil {
+		u.hold()
 	}
 	sum := sha256.Sum256(body)
 	status := http.StatusCreated
@@ -89,6 +144,7 @@ func (u *upstream) resolve(w http.ResponseWriter, r *http.Request) {
 	}
 	u.mu.Lock()
 	runs := u.runs[rec.Key]
+	u.asked[rec.Key] = true
 	u.mu.Unlock()
 	w.Header().Set("Content-Type", "application/json")
 	if len(runs) == 0 {
@@ -105,6 +161,13 @@ func (u *upstream) executions(key string) []execution {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	return append([]execution(nil), u.runs[key]...)
+}
+
+// askedAbout reports whether the reconciler asked what became of key.
+func (u *upstream) askedAbout(key string) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.asked[key]
 }
 
 // total is the number of executions in all.

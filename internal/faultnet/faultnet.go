@@ -66,11 +66,14 @@ type link struct {
 	once           sync.Once
 }
 
-func (l *link) close() {
+// close closes both sides, once; it reports whether this call closed them.
+func (l *link) close() (closed bool) {
 	l.once.Do(func() {
 		l.client.Close()
 		l.server.Close()
+		closed = true
 	})
+	return closed
 }
 
 // Listen starts a proxy to target on a free loopback port.
@@ -113,18 +116,22 @@ func (p *Proxy) DropNextReply() {
 }
 
 // CutAll closes every open connection at once, as a server restart or a
-// killed backend does.
-func (p *Proxy) CutAll() {
+// killed backend does, and returns how many it cut.
+func (p *Proxy) CutAll() int {
 	p.mu.Lock()
 	links := make([]*link, 0, len(p.conns))
 	for l := range p.conns {
 		links = append(links, l)
 	}
 	p.mu.Unlock()
+	n := 0
 	for _, l := range links {
-		p.cut.Add(1)
-		l.close()
+		if l.close() {
+			p.cut.Add(1)
+			n++
+		}
 	}
+	return n
 }
 
 // Outage makes the target unreachable: open connections are cut and new
@@ -250,8 +257,9 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, reply bool) {
 				time.Sleep(latency)
 			}
 			if drop {
-				p.cut.Add(1)
-				l.close()
+				if l.close() {
+					p.cut.Add(1)
+				}
 				return
 			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {

@@ -136,3 +136,30 @@ func TestPauseHoldsBytesUntilResumed(t *testing.T) {
 		t.Fatalf("got %q", line)
 	}
 }
+
+func TestCutAllReportsWhatItCut(t *testing.T) {
+	target, _ := echoServer(t)
+	p := proxy(t, target)
+	if n := p.CutAll(); n != 0 {
+		t.Fatalf("CutAll with no connection open: want 0 cut, got %d", n)
+	}
+	for range 2 {
+		c, err := net.Dial("tcp", p.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := roundTrip(c, "x\n"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := p.CutAll(); n != 2 {
+		t.Fatalf("CutAll with two connections open: want 2 cut, got %d", n)
+	}
+	if n := p.CutAll(); n != 0 {
+		t.Fatalf("CutAll again: want 0 cut (they are closed already), got %d", n)
+	}
+	if s := p.Stats(); s.Cut != 2 {
+		t.Fatalf("want Stats().Cut 2, got %+v", s)
+	}
+}
