@@ -39,6 +39,22 @@ func TestConformanceOneShard(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idem.Store { return newTestStore(t, client, Config{Shards: 1}) })
 }
 
+// TestConformanceInstances runs the two-instance cases on two stores under
+// one prefix, each with a client of its own, as two processes would have.
+func TestConformanceInstances(t *testing.T) {
+	storetest.RunInstances(t, func(t *testing.T) (idem.Store, idem.Store) {
+		prefix := randomPrefix(t)
+		instance := func() idem.Store {
+			client := memcache.New(testAddr(t))
+			client.MaxIdleConns = 256 // as testClient's, for 200 racers
+			client.Timeout = 10 * time.Second
+			t.Cleanup(func() { client.Close() })
+			return newTestStore(t, client, Config{Prefix: prefix})
+		}
+		return instance(), instance()
+	})
+}
+
 func TestNewValidatesConfig(t *testing.T) {
 	client := memcache.New("127.0.0.1:1") // never contacted
 	for name, cfg := range map[string]Config{

@@ -8,6 +8,9 @@ import (
 	"github.com/idemhq/idem/store/storetest"
 )
 
+// TestConformance runs the suite. There is no TestConformanceInstances
+// (storetest.RunInstances): a memstore's records live in its process, so two
+// instances never share them.
 func TestConformance(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idem.Store { return memstore.New() })
 }

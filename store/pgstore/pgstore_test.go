@@ -71,6 +71,27 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+// TestConformanceInstances runs the two-instance cases on two stores in one
+// schema, each with a pool of its own, as two processes would have.
+func TestConformanceInstances(t *testing.T) {
+	storetest.RunInstances(t, func(t *testing.T) (idem.Store, idem.Store) {
+		schema := newSchema(t)
+		instance := func() idem.Store {
+			pool, err := pgxpool.New(ctx, databaseURL(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+			if err != nil {
+				t.Fatalf("New: %v", err)
+			}
+			return s
+		}
+		return instance(), instance()
+	})
+}
+
 func TestPruneDeletesRows(t *testing.T) {
 	t.Parallel()
 	s, schema := newStore(t)

@@ -139,6 +139,50 @@ func TestConformanceCluster(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idem.Store { return newTestStore(t, client, 0) })
 }
 
+// TestConformanceInstances runs the two-instance cases on two stores under
+// one prefix, each with a client of its own, as two processes would have.
+func TestConformanceInstances(t *testing.T) {
+	storetest.RunInstances(t, func(t *testing.T) (idem.Store, idem.Store) {
+		return newTestInstances(t, func() redis.UniversalClient {
+			opt := testOptions(t)
+			opt.PoolSize = 64 // 200 racers
+			opt.PoolTimeout = 30 * time.Second
+			client := redis.NewClient(opt)
+			t.Cleanup(func() { client.Close() })
+			return client
+		})
+	})
+}
+
+// TestConformanceInstancesCluster runs the two-instance cases on Redis
+// Cluster.
+func TestConformanceInstancesCluster(t *testing.T) {
+	storetest.RunInstances(t, func(t *testing.T) (idem.Store, idem.Store) {
+		return newTestInstances(t, func() redis.UniversalClient { return testClusterClient(t) })
+	})
+}
+
+// newTestInstances returns two stores under one fresh prefix, each on a
+// client that newClient makes, whose keys are deleted when the test ends.
+func newTestInstances(t *testing.T, newClient func() redis.UniversalClient) (*Store, *Store) {
+	t.Helper()
+	prefix := randomPrefix(t)
+	instance := func() *Store {
+		s, err := New(Config{Client: newClient(), Prefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	a, b := instance(), instance()
+	t.Cleanup(func() {
+		if err := deleteKeys(context.Background(), a.client, prefix+"{*"); err != nil {
+			t.Errorf("deleting the test's keys: %v", err)
+		}
+	})
+	return a, b
+}
+
 func TestNewValidatesConfig(t *testing.T) {
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never contacted
 	t.Cleanup(func() { client.Close() })

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -32,6 +31,16 @@ func open(t testing.TB, path string) *sqlitestore.Store {
 func TestConformance(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) idem.Store {
 		return open(t, filepath.Join(t.TempDir(), "idem.db"))
+	})
+}
+
+// TestConformanceInstances runs the two-instance cases on two stores opened
+// on one file, as two processes would open it: the file's lock, not a store's
+// own mutex, must let exactly one racer win.
+func TestConformanceInstances(t *testing.T) {
+	storetest.RunInstances(t, func(t *testing.T) (idem.Store, idem.Store) {
+		path := filepath.Join(t.TempDir(), "idem.db")
+		return open(t, path), open(t, path)
 	})
 }
 
@@ -74,38 +83,6 @@ func TestDurableAcrossRestart(t *testing.T) {
 	}
 	if out, err := e.Begin(ctx, idem.BeginParams{Key: "running", Fingerprint: payload}); err != nil || out.Decision != idem.InFlight {
 		t.Fatalf("after reopen: running key = %v, %v; want in flight", out.Decision, err)
-	}
-}
-
-// TestTwoStoresOneFile races 200 goroutines split over two stores on one
-// file, as two processes would be: the file's lock, not the in-process mutex,
-// must let exactly one win.
-func TestTwoStoresOneFile(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "idem.db")
-	engines := []*idem.Engine{engine(t, open(t, path), nil), engine(t, open(t, path), nil)}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	got := map[idem.Decision]int{}
-	start := make(chan struct{})
-	for i := range storetest.Racers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			out, err := engines[i%2].Begin(ctx, idem.BeginParams{Key: "hot", Fingerprint: payload})
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			mu.Lock()
-			got[out.Decision]++
-			mu.Unlock()
-		}()
-	}
-	close(start)
-	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
-	if got[idem.Execute] != 1 || got[idem.InFlight] != storetest.Racers-1 {
-		t.Fatalf("decisions = %v, want exactly one execute", got)
 	}
 }
 

@@ -6,6 +6,10 @@
 //		storetest.Run(t, func(t *testing.T) idem.Store { return memstore.New() })
 //	}
 //
+// A store that several processes can share also calls [RunInstances], with
+// two instances on one backend; a networked one [RunFaults]; a notifier
+// [RunNotifier].
+//
 // Time is moved by hand: every store call carries the engine's clock reading,
 // so no case sleeps. Times the suite uses are whole milliseconds, so a store
 // must keep at least millisecond precision.
@@ -48,9 +52,12 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ConcurrentExpiryNeverExecutes", testConcurrentExpiryNeverExecutes},
 		{"ConcurrentDistinctKeys", testConcurrentDistinctKeys},
 		{"StaleTokenLosesEveryWrite", testStaleTokenLosesEveryWrite},
+		{"RepeatedAcquireKeepsLease", testRepeatedAcquireKeepsLease},
 		{"FinishRepeatSucceeds", testFinishRepeatSucceeds},
 		{"RenewExtendsLease", testRenewExtendsLease},
+		{"LeaseHoldsToItsLastMillisecond", testLeaseHoldsToItsLastMillisecond},
 		{"ExpiredLeaseBecomesUnknown", testExpiredLeaseBecomesUnknown},
+		{"ExpiredLeaseStillSettles", testExpiredLeaseStillSettles},
 		{"TakeoverWhenDeclared", testTakeoverWhenDeclared},
 		{"ReplayIsByteIdentical", testReplayIsByteIdentical},
 		{"CheckpointsLeaveRoomForTheOutcome", testCheckpointsLeaveRoomForTheOutcome},
@@ -58,6 +65,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"MarkUnknown", testMarkUnknown},
 		{"RetentionExpiresOutcome", testRetentionExpiresOutcome},
 		{"PruneKeepsLiveAndUnsettled", testPruneKeepsLiveAndUnsettled},
+		{"PruneSparesKeysRunAgain", testPruneSparesKeysRunAgain},
 		{"ScanFindsStaleRecords", testScanFindsStaleRecords},
 		{"ScopesIsolateKeys", testScopesIsolateKeys},
 		{"KeysStoredAsSent", testKeysStoredAsSent},
@@ -77,7 +85,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			store := newStore(t)
-			clock := NewClock(time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC))
+			clock := NewClock(epoch)
 			eng, err := idem.New(idem.Config{Store: store, Clock: clock, Lease: lease, Retention: retention})
 			if err != nil {
 				t.Fatal(err)
@@ -91,6 +99,9 @@ const (
 	lease     = 30 * time.Second
 	retention = time.Hour
 )
+
+// epoch is the time every case starts at: whole milliseconds.
+var epoch = time.Date(2030, 1, 2, 3, 4, 5, 6e6, time.UTC)
 
 // Clock is a clock moved by hand, safe for concurrent use. Its timers
 // ([Clock.After]) fire when [Clock.Advance] moves it past their time, so a
@@ -231,6 +242,35 @@ func (h *harness) complete(t *testing.T, l idem.Lease, resp *idem.Response) {
 	}
 }
 
+// finishParams returns the store params with which the owner of l settles
+// it as state (with resp, for COMPLETED) at the clock's time, kept for the
+// suite's retention when terminal, and marked a Repeat as the engine marks
+// its owners' writes. A writer that borrows the token (a reconciler) clears
+// Repeat.
+func (h *harness) finishParams(l idem.Lease, state idem.State, resp *idem.Response) idem.FinishParams {
+	p := idem.FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: h.clock.Now(), State: state, Response: resp, Repeat: true}
+	if state.Terminal() {
+		p.Expires = p.Now.Add(retention)
+	}
+	return p
+}
+
+// pruneAll prunes the store at the clock's time until a call deletes
+// nothing.
+func (h *harness) pruneAll(t *testing.T) {
+	t.Helper()
+	for range 100 {
+		n, err := h.store.Prune(ctx, store.PruneParams{Now: h.clock.Now()})
+		if err != nil {
+			t.Fatalf("Prune: %v", err)
+		}
+		if n == 0 {
+			return
+		}
+	}
+	t.Fatal("Prune still deletes records after 100 calls")
+}
+
 func wantErr(t *testing.T, what string, err, target error) {
 	t.Helper()
 	if !errors.Is(err, target) {
@@ -267,7 +307,20 @@ func sameResponse(t *testing.T, got, want *idem.Response) {
 // outcomes.
 func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
 	t.Helper()
-	outs := make([]idem.Outcome, Racers)
+	outs, errs := raceEach(t, func(int) (idem.Outcome, error) { return fn() })
+	for _, err := range errs {
+		if err != nil {
+			t.Fatalf("racer: %v", err)
+		}
+	}
+	return outs
+}
+
+// raceEach runs fn(i) for each i below Racers, on goroutines released
+// together, and returns their results and errors by i.
+func raceEach[T any](t *testing.T, fn func(i int) (T, error)) ([]T, []error) {
+	t.Helper()
+	outs := make([]T, Racers)
 	errs := make([]error, Racers)
 	start := make(chan struct{})
 	var wg sync.WaitGroup
@@ -276,17 +329,12 @@ func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
 		go func() {
 			defer wg.Done()
 			<-start
-			outs[i], errs[i] = fn()
+			outs[i], errs[i] = fn(i)
 		}()
 	}
 	close(start)
 	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
-	for _, err := range errs {
-		if err != nil {
-			t.Fatalf("racer: %v", err)
-		}
-	}
-	return outs
+	return outs, errs
 }
 
 func count(outs []idem.Outcome) map[idem.Decision]int {
@@ -439,21 +487,70 @@ func testStaleTokenLosesEveryWrite(t *testing.T, h *harness) {
 	sameResponse(t, r.Response, resp)
 }
 
+// testRepeatedAcquireKeepsLease: an Acquire whose answer was lost is sent
+// again with the same params, token included (the engine retries an acquire
+// that got no answer, and its journal releases the token if it never learns
+// the answer). The repeat must be answered as the acquire that landed was:
+// the record under that token, in progress, with the same fence and lease,
+// so that the caller holds the lease and runs the work once, instead of
+// finding its own record held by "somebody else" and answering 409 for a
+// request nobody runs. Whatever the first acquire found: no record, a
+// released one, an expired one, or a lease to take over.
+func testRepeatedAcquireKeepsLease(t *testing.T, h *harness) {
+	fp := testkit.Fingerprint("a")
+	for _, c := range []struct {
+		before       string
+		takeoverSafe bool
+		fence        int64
+		prepare      func(key string)
+	}{
+		{"no record", false, 1, func(string) {}},
+		{"a released record", false, 2, func(key string) {
+			if err := h.eng.Release(ctx, h.mustExecute(t, "s", key, fp)); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"an expired record", false, 1, func(key string) {
+			h.complete(t, h.mustExecute(t, "s", key, fp), okResponse("x"))
+			h.clock.Advance(retention)
+		}},
+		{"a lease to take over", true, 2, func(key string) {
+			if out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: key, Fingerprint: fp, TakeoverSafe: true}); err != nil || out.Decision != idem.Execute {
+				t.Fatalf("Begin(%q) = %v, %v; want execute", key, out.Decision, err)
+			}
+			h.clock.Advance(lease)
+		}},
+	} {
+		key := "after " + c.before
+		c.prepare(key)
+		tok, err := store.NewToken()
+		if err != nil {
+			t.Fatal(err)
+		}
+		now := h.clock.Now()
+		p := store.AcquireParams{Scope: "s", Key: key, Fingerprint: fp, Token: tok, Now: now, LeaseExpires: now.Add(lease), TakeoverSafe: c.takeoverSafe}
+		first, err := h.store.Acquire(ctx, p)
+		if err != nil || first.Token != tok || first.State != idem.StateInProgress || first.Fence != c.fence {
+			t.Fatalf("%s: Acquire = %+v, %v; want the lease, fence %d", key, first, err, c.fence)
+		}
+		h.clock.Advance(time.Second) // the retry comes later; its params are the same
+		again, err := h.store.Acquire(ctx, p)
+		if err != nil || again.Token != tok || again.State != idem.StateInProgress || again.Fence != first.Fence || !again.LeaseExpires.Equal(first.LeaseExpires) {
+			t.Fatalf("%s: the same Acquire again = %+v, %v; want the lease it granted, %+v", key, again, err, first)
+		}
+	}
+}
+
 // testFinishRepeatSucceeds: an owner whose Finish got no answer (the reply
 // was lost, the connection died after the commit, the driver timed out)
 // sends the very same Finish again, marked Repeat. The repeat must succeed,
 // whether or not the first one landed, rather than report the lease lost;
-// any other outcome under the same token is still refused, so the repeat can
-// never overwrite anything. Unmarked, it is refused: two writers borrowing
-// one token (reconcilers) must not both succeed.
+// any other outcome under the same token (another status, body or header)
+// is still refused, so the repeat can never overwrite anything. Unmarked, it
+// is refused: two writers borrowing one token (reconcilers) must not both
+// succeed.
 func testFinishRepeatSucceeds(t *testing.T, h *harness) {
-	finish := func(l idem.Lease, state idem.State, resp *idem.Response) idem.FinishParams {
-		p := idem.FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: h.clock.Now(), State: state, Response: resp, Repeat: true}
-		if state.Terminal() {
-			p.Expires = p.Now.Add(retention)
-		}
-		return p
-	}
+	finish := h.finishParams
 	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204}}
 	if limit := store.MaxBody(h.store); limit < 8<<20 {
 		bodies["over the store's limit"] = &idem.Response{Status: 201, Body: bytes.Repeat([]byte("x"), limit+1)}
@@ -470,16 +567,30 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 			wantErr(t, "the same Finish again, not marked a repeat", h.store.Finish(ctx, strict), idem.ErrLeaseLost)
 			other := *resp
 			other.Status++
-			wantErr(t, "another response under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
+			wantErr(t, "another status under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
+			if len(resp.Body) <= store.MaxBody(h.store) { // a body the store kept
+				other = *resp
+				other.Body = []byte("another body")
+				wantErr(t, "another body under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
+			}
+			other = *resp
+			other.Header = resp.Header.Clone()
+			if other.Header == nil {
+				other.Header = http.Header{}
+			}
+			other.Header.Set("X-Other", "1")
+			wantErr(t, "another header under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
 			wantErr(t, "a release under the same token", h.store.Finish(ctx, finish(l, idem.StateFailed, nil)), idem.ErrLeaseLost)
 			wantErr(t, "unknown under the same token", h.store.Finish(ctx, finish(l, idem.StateUnknown, nil)), idem.ErrLeaseLost)
 			r := h.get(t, "s", "completed "+name)
 			if r.State != idem.StateCompleted || r.Token != l.Token {
 				t.Fatalf("record after the repeats = %+v", r)
 			}
-			if r.Response.BodyOmitted != (len(resp.Body) > store.MaxBody(h.store)) || r.Response.Status != resp.Status {
-				t.Fatalf("response after the repeats: status %d, body omitted %v", r.Response.Status, r.Response.BodyOmitted)
+			want := resp
+			if len(resp.Body) > store.MaxBody(h.store) {
+				want = &idem.Response{Status: resp.Status, Header: resp.Header, BodyOmitted: true}
 			}
+			sameResponse(t, r.Response, want)
 		})
 	}
 
@@ -530,9 +641,38 @@ func testRenewExtendsLease(t *testing.T, h *harness) {
 	wantErr(t, "Renew at expiry", err, idem.ErrLeaseLost)
 }
 
+// testLeaseHoldsToItsLastMillisecond: a lease is its owner's until the very
+// millisecond it ends. One millisecond before, another caller is told the
+// work is in flight, a scan leaves the record out, and the owner's
+// checkpoint and renewal land (at that millisecond the lease has ended: see
+// RenewExtendsLease, CheckpointNeedsRunningLease and
+// ExpiredLeaseBecomesUnknown). The engine relies on the store keeping the
+// lease it asked for to the millisecond: a store that ended it early (a
+// server TTL rounded down to the second, say) would make running work
+// uncertain, hand it to the reconciler and cancel its handler.
+func testLeaseHoldsToItsLastMillisecond(t *testing.T, h *harness) {
+	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
+	h.clock.Advance(lease - time.Millisecond)
+	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.InFlight)
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != 0 {
+		t.Fatalf("Scan a millisecond before the lease ends = %+v, %v; want no record", res.Records, err)
+	}
+	if err := h.eng.Checkpoint(ctx, l, "authorize", nil); err != nil {
+		t.Fatalf("Checkpoint a millisecond before the lease ends: %v", err)
+	}
+	if _, err := h.eng.Renew(ctx, l); err != nil {
+		t.Fatalf("Renew a millisecond before the lease ends: %v", err)
+	}
+	if r := h.get(t, "s", "k"); r.State != idem.StateInProgress || r.Token != l.Token || len(r.Checkpoints) != 1 ||
+		!r.LeaseExpires.Equal(h.clock.Now().Add(lease)) {
+		t.Fatalf("record = %+v; want in progress under the lease, with the checkpoint and the renewed lease", r)
+	}
+}
+
 func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
 	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
-	h.mustExecute(t, "s", "other", testkit.Fingerprint("a"))
+	other := h.mustExecute(t, "s", "other", testkit.Fingerprint("a"))
 	h.clock.Advance(lease)
 	h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Uncertain)
 	if r := h.get(t, "s", "k"); r.State != idem.StateUnknown || r.Token != l.Token {
@@ -545,10 +685,73 @@ func testExpiredLeaseBecomesUnknown(t *testing.T, h *harness) {
 	_, err := h.eng.Renew(ctx, l)
 	wantErr(t, "Renew of an unknown record", err, idem.ErrLeaseLost)
 
+	// A record an acquire made unknown never expires: the reconciler finds
+	// it, under the token it borrows, however late it looks.
+	for _, later := range []time.Duration{0, 72 * time.Hour} {
+		h.clock.Advance(later)
+		res, err := h.eng.Scan(ctx, 0, "")
+		if err != nil {
+			t.Fatalf("Scan %v later: %v", later, err)
+		}
+		got := map[string]string{}
+		for _, r := range res.Records {
+			got[r.Key] = string(r.State) + " under " + r.Token
+		}
+		want := map[string]string{"k": string(idem.StateUnknown) + " under " + l.Token, "other": string(idem.StateUnknown) + " under " + other.Token}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("Scan %v later found %v; want %v", later, got, want)
+		}
+	}
+
 	// The owner's late outcome settles the unknown record.
 	resp := okResponse("late but true")
 	h.complete(t, l, resp)
 	sameResponse(t, h.expect(t, "s", "k", testkit.Fingerprint("a"), idem.Replay).Record.Response, resp)
+}
+
+// testExpiredLeaseStillSettles: a record whose lease ran out and that no
+// acquire has looked at since is still in progress in the store, and its
+// token still settles it: the owner's late outcome (a handler that outlived
+// its lease, an outcome replayed from the engine's journal after an outage
+// or a restart) lands, as does its MarkUnknown, and so does the release of
+// a reconciler that borrowed the token from a scan. The engine relies on
+// this as on the late outcome that settles an UNKNOWN record: refusing it
+// would lose an outcome a client may have seen, or leave a resolved record
+// in every scan. Of two reconcilers borrowing the token only the first
+// succeeds, and the owner's outcome that comes after theirs is refused.
+func testExpiredLeaseStillSettles(t *testing.T, h *harness) {
+	fp := testkit.Fingerprint("a")
+	done := h.mustExecute(t, "s", "done", fp)
+	unknown := h.mustExecute(t, "s", "unknown", fp)
+	released := h.mustExecute(t, "s", "released", fp)
+	h.clock.Advance(lease + 5*time.Second)
+
+	resp := okResponse("late")
+	wantErr(t, "the owner's late outcome", h.store.Finish(ctx, h.finishParams(done, idem.StateCompleted, resp)), nil)
+	sameResponse(t, h.expect(t, "s", "done", fp, idem.Replay).Record.Response, resp)
+
+	wantErr(t, "the owner's late MarkUnknown", h.store.Finish(ctx, h.finishParams(unknown, idem.StateUnknown, nil)), nil)
+	res, err := h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != 2 {
+		t.Fatalf("Scan = %+v, %v; want the records unknown and released, still stale", res.Records, err)
+	}
+
+	release := h.finishParams(released, idem.StateFailed, nil)
+	release.Repeat = false // a reconciler borrows the token
+	wantErr(t, "a reconciler's release", h.store.Finish(ctx, release), nil)
+	wantErr(t, "a second reconciler's release", h.store.Finish(ctx, release), idem.ErrLeaseLost)
+	wantErr(t, "the owner's outcome after the reconciler's release",
+		h.store.Finish(ctx, h.finishParams(released, idem.StateCompleted, okResponse("late"))), idem.ErrLeaseLost)
+	if r := h.get(t, "s", "released"); r.State != idem.StateFailed {
+		t.Fatalf("released record = %+v; want failed", r)
+	}
+	res, err = h.eng.Scan(ctx, 0, "")
+	if err != nil || len(res.Records) != 1 || res.Records[0].Key != "unknown" || res.Records[0].State != idem.StateUnknown {
+		t.Fatalf("Scan = %+v, %v; want only the record marked unknown", res.Records, err)
+	}
+	if l := h.mustExecute(t, "s", "released", fp); l.Fence != 2 {
+		t.Fatalf("a retry of the released key: fence %d; want 2", l.Fence)
+	}
 }
 
 func testTakeoverWhenDeclared(t *testing.T, h *harness) {
@@ -579,6 +782,11 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 	wantErr(t, "old owner's Renew", err, idem.ErrLeaseLost)
 	wantErr(t, "old owner's Complete", h.eng.Complete(ctx, old.Lease, okResponse("stale")), idem.ErrLeaseLost)
 	wantErr(t, "old owner's Release", h.eng.Release(ctx, old.Lease), idem.ErrLeaseLost)
+	wantErr(t, "old owner's MarkUnknown", h.eng.MarkUnknown(ctx, old.Lease), idem.ErrLeaseLost)
+	wantErr(t, "old owner's Checkpoint", h.eng.Checkpoint(ctx, old.Lease, "authorize", nil), idem.ErrLeaseLost)
+	if r := h.get(t, "s", "k"); r.State != idem.StateInProgress || r.Token != now.Lease.Token || r.Fence != 2 || len(r.Checkpoints) != 0 || !r.TakeoverSafe {
+		t.Fatalf("record after the old owner's writes = %+v; want the new owner's, untouched", r)
+	}
 	resp := okResponse("fresh")
 	h.complete(t, now.Lease, resp)
 	out := begin(testkit.Fingerprint("a"))
@@ -586,6 +794,11 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 		t.Fatalf("after takeover completed: %v fence %d", out.Decision, out.Record.Fence)
 	}
 	sameResponse(t, out.Record.Response, resp)
+	// Not even the new owner's very outcome is a repeat under the old token.
+	settled := h.get(t, "s", "k")
+	repeat := h.finishParams(old.Lease, idem.StateCompleted, settled.Response)
+	repeat.Expires = settled.Expires
+	wantErr(t, "old owner's repeat of the new owner's outcome", h.store.Finish(ctx, repeat), idem.ErrLeaseLost)
 }
 
 func testReplayIsByteIdentical(t *testing.T, h *harness) {
@@ -718,6 +931,9 @@ func testRetentionExpiresOutcome(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 	h.clock.Advance(retention - time.Millisecond)
+	if n, err := h.store.Prune(ctx, store.PruneParams{Now: h.clock.Now()}); err != nil || n != 0 {
+		t.Fatalf("Prune a millisecond before the outcomes expire = %d, %v; want nothing deleted", n, err)
+	}
 	h.expect(t, "s", "done", testkit.Fingerprint("a"), idem.Replay)
 	h.get(t, "s", "failed")
 	h.clock.Advance(time.Millisecond)
@@ -790,6 +1006,51 @@ func testPruneKeepsLiveAndUnsettled(t *testing.T, h *harness) {
 	}
 }
 
+// testPruneSparesKeysRunAgain: Prune goes by the record a key holds now,
+// not by one it replaced. A key whose outcome expired and that runs again, a
+// released key that runs again, and a released key that ran again and
+// completed later are all kept until their current record expires, however
+// long ago the replaced one did. Stores that index records by expiry (a
+// sorted set, an index item, a TTL attribute) must move or drop the replaced
+// record's entry: pruning by it would delete running work, whose retry would
+// then run it a second time, or an outcome a retry should replay.
+func testPruneSparesKeysRunAgain(t *testing.T, h *harness) {
+	fp := testkit.Fingerprint("a")
+	h.complete(t, h.mustExecute(t, "s", "expired, running again", fp), okResponse("x"))
+	if err := h.eng.Release(ctx, h.mustExecute(t, "s", "released, running again", fp)); err != nil {
+		t.Fatal(err)
+	}
+	h.mustExecute(t, "s", "released, running again", fp)
+	if err := h.eng.Release(ctx, h.mustExecute(t, "s", "released, completed later", fp)); err != nil {
+		t.Fatal(err)
+	}
+	h.clock.Advance(retention / 2)
+	h.complete(t, h.mustExecute(t, "s", "released, completed later", fp), okResponse("x"))
+	h.clock.Advance(retention / 2) // the first records have expired
+	h.mustExecute(t, "s", "expired, running again", testkit.Fingerprint("b"))
+
+	h.pruneAll(t)
+	for key, want := range map[string]idem.State{
+		"expired, running again":    idem.StateInProgress,
+		"released, running again":   idem.StateInProgress,
+		"released, completed later": idem.StateCompleted,
+	} {
+		if r := h.get(t, "s", key); r.State != want {
+			t.Fatalf("%s: after Prune the record is %+v; want %s", key, r, want)
+		}
+	}
+	h.clock.Advance(2 * retention) // unsettled records never expire
+	h.pruneAll(t)
+	for _, key := range []string{"expired, running again", "released, running again"} {
+		if r := h.get(t, "s", key); r.State != idem.StateInProgress {
+			t.Fatalf("%s: after a later Prune the record is %+v; want in progress", key, r)
+		}
+	}
+}
+
+// testScanFindsStaleRecords: a scan returns every stale record once, over
+// pages of at most its limit, and no other record, also when many running
+// records come before the stale ones in the store's order.
 func testScanFindsStaleRecords(t *testing.T, h *harness) {
 	want := map[string]bool{}
 	for i := range 15 { // leases that will run out
@@ -812,33 +1073,40 @@ func testScanFindsStaleRecords(t *testing.T, h *harness) {
 			t.Fatal(err)
 		}
 	}
-
-	seen := map[string]bool{}
-	cursor, pages := "", 0
-	for {
-		res, err := h.eng.Scan(ctx, 7, cursor)
-		if err != nil {
-			t.Fatalf("Scan: %v", err)
-		}
-		pages++
-		if len(res.Records) > 7 || pages > 10 {
-			t.Fatalf("page %d has %d records with limit 7", pages, len(res.Records))
-		}
-		for _, r := range res.Records {
-			if seen[r.Key] {
-				t.Fatalf("Scan returned %q twice", r.Key)
-			}
-			seen[r.Key] = true
-			if !r.Stale(h.clock.Now()) {
-				t.Fatalf("Scan returned a record that is not stale: %+v", r)
-			}
-		}
-		if cursor = res.Cursor; cursor == "" {
-			break
-		}
+	for i := range 20 { // running, in a scope before every stale record's
+		h.mustExecute(t, "a", fmt.Sprintf("running-%02d", i), testkit.Fingerprint("a"))
 	}
-	if !reflect.DeepEqual(seen, want) {
-		t.Fatalf("Scan found %d records %v, want the %d stale ones", len(seen), seen, len(want))
+
+	for _, limit := range []int{7, 2} {
+		seen := map[string]bool{}
+		cursor := ""
+		for pages := 1; ; pages++ {
+			if pages > 100 {
+				t.Fatalf("limit %d: the scan has not ended after %d pages", limit, pages-1)
+			}
+			res, err := h.eng.Scan(ctx, limit, cursor)
+			if err != nil {
+				t.Fatalf("Scan: %v", err)
+			}
+			if len(res.Records) > limit {
+				t.Fatalf("page %d has %d records with limit %d", pages, len(res.Records), limit)
+			}
+			for _, r := range res.Records {
+				if seen[r.Key] {
+					t.Fatalf("limit %d: Scan returned %q twice", limit, r.Key)
+				}
+				seen[r.Key] = true
+				if !r.Stale(h.clock.Now()) {
+					t.Fatalf("limit %d: Scan returned a record that is not stale: %+v", limit, r)
+				}
+			}
+			if cursor = res.Cursor; cursor == "" {
+				break
+			}
+		}
+		if !reflect.DeepEqual(seen, want) {
+			t.Fatalf("limit %d: Scan found %d records %v, want the %d stale ones", limit, len(seen), seen, len(want))
+		}
 	}
 	res, err := h.eng.Scan(ctx, 0, "")
 	if err != nil || len(res.Records) != len(want) {
@@ -940,9 +1208,28 @@ func testMissingRecord(t *testing.T, h *harness) {
 	_, err = h.eng.Renew(ctx, ghost)
 	wantErr(t, "Renew of a missing record", err, idem.ErrLeaseLost)
 	wantErr(t, "Complete of a missing record", h.eng.Complete(ctx, ghost, okResponse("x")), idem.ErrLeaseLost)
+	// No settlement creates a record, a repeat or not: a record no acquire
+	// made would replay, block or reach the reconciler for nothing.
+	for _, state := range []idem.State{idem.StateCompleted, idem.StateFailed, idem.StateUnknown} {
+		var resp *idem.Response
+		if state == idem.StateCompleted {
+			resp = okResponse("ghost")
+		}
+		for _, repeat := range []bool{false, true} {
+			p := h.finishParams(ghost, state, resp)
+			p.Repeat = repeat
+			what := fmt.Sprintf("Finish of a missing record as %s (repeat %v)", state, repeat)
+			wantErr(t, what, h.store.Finish(ctx, p), idem.ErrLeaseLost)
+			_, err := h.eng.Get(ctx, "s", "absent")
+			wantErr(t, "Get after a "+what, err, idem.ErrNotFound)
+		}
+	}
 	res, err := h.eng.Scan(ctx, 0, "")
 	if err != nil || len(res.Records) != 0 || res.Cursor != "" {
 		t.Fatalf("Scan of an empty store = %+v, %v", res, err)
+	}
+	if l := h.mustExecute(t, "s", "absent", testkit.Fingerprint("a")); l.Fence != 1 {
+		t.Fatalf("the first lease of the key after those writes: fence %d; want 1", l.Fence)
 	}
 }
 
