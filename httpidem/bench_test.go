@@ -89,3 +89,19 @@ func BenchmarkMiddleware(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkCanonicalJSON is the cost of the canonical form of a typical
+// payment body (some 350 bytes), which a middleware with CanonicalJSON,
+// IncludeFields or ExcludeFields pays on every request.
+func BenchmarkCanonicalJSON(b *testing.B) {
+	body := []byte(`{"amount":2500,"currency":"eur","customer":"cus_Q7pLx2vN4kTz","description":"Order #100243",
+		"capture":true,"metadata":{"order_id":"100243","cart":"c_88f1","channel":"web"},
+		"card":{"number":"4242424242424242","exp_month":12,"exp_year":2030,"cvc":"123"},
+		"shipping":{"name":"Ada Lovelace","address":{"line1":"12 Analytical St","city":"London","country":"GB"}}}`)
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		if _, err := httpidem.CanonicalJSON(body); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -18,6 +19,12 @@ import (
 // whitespace, numbers in their shortest ECMAScript form, strings with the
 // minimal escapes. Two texts that differ only in key order or whitespace
 // come out identical.
+//
+// A text in which an object has two members whose names are equal under
+// case folding ("amount" and "AMOUNT", or "amount" twice) is refused with
+// an error (RFC 8785 admits I-JSON only, which repeats no name):
+// encoding/json binds them to one field (the last wins, objects merge), so
+// a Go handler reads apart texts that would come out identical.
 func CanonicalJSON(data []byte) ([]byte, error) {
 	v, err := decodeJSON(data)
 	if err != nil {
@@ -29,6 +36,10 @@ func CanonicalJSON(data []byte) ([]byte, error) {
 	}
 	return b.Bytes(), nil
 }
+
+// errFoldedNames refuses an object with two members whose names are equal
+// under case folding.
+var errFoldedNames = errors.New("json: member names that differ only in case, or repeated")
 
 func decodeJSON(data []byte) (any, error) {
 	// Text that is not UTF-8 is not JSON: a decoder would turn every bad
@@ -50,7 +61,101 @@ func decodeJSON(data []byte) (any, error) {
 	if replaced(v) && !bytes.ContainsRune(data, utf8.RuneError) && !bytes.Contains(bytes.ToLower(data), []byte(`\ufffd`)) {
 		return nil, errors.New("json: a lone surrogate escape")
 	}
+	// And so would two members of an object whose names are equal under
+	// case folding: the decoder's map keeps the last of two of one name (so
+	// it holds fewer members than the text has colons outside strings, one
+	// per member), and keeps apart names that encoding/json binds to one
+	// field.
+	if n, ok := members(v); !ok || n != colons(data) {
+		return nil, errFoldedNames
+	}
 	return v, nil
+}
+
+// members counts the members of the objects in v, and reports false when
+// an object has two whose names are equal under case folding: pairwise
+// while they are few, by their folded keys when they are more.
+func members(v any) (int, bool) {
+	n := 0
+	switch v := v.(type) {
+	case []any:
+		for _, e := range v {
+			m, ok := members(e)
+			if !ok {
+				return 0, false
+			}
+			n += m
+		}
+	case map[string]any:
+		var few [16]string
+		var folded map[string]bool
+		i := 0 // names of this object seen so far
+		for name, e := range v {
+			if i < len(few) {
+				for _, before := range few[:i] {
+					if strings.EqualFold(name, before) {
+						return 0, false
+					}
+				}
+				few[i] = name
+			} else {
+				if i == len(few) {
+					folded = make(map[string]bool, 2*i)
+					for _, before := range few {
+						folded[foldKey(before)] = true
+					}
+				}
+				key := foldKey(name)
+				if folded[key] {
+					return 0, false
+				}
+				folded[key] = true
+			}
+			i++
+			m, ok := members(e)
+			if !ok {
+				return 0, false
+			}
+			n += m + 1
+		}
+	}
+	return n, true
+}
+
+// colons counts the colons of a JSON text outside its strings: in a valid
+// text, one per member of its objects.
+func colons(data []byte) int {
+	n, quoted, escaped := 0, false, false
+	for _, c := range data {
+		switch {
+		case escaped:
+			escaped = false
+		case quoted && c == '\\':
+			escaped = true
+		case c == '"':
+			quoted = !quoted
+		case !quoted && c == ':':
+			n++
+		}
+	}
+	return n
+}
+
+// foldKey returns name folded as encoding/json folds names to match them
+// to fields: each rune the least of those case folding makes it equal to.
+// strings.EqualFold(a, b) exactly when foldKey(a) == foldKey(b).
+func foldKey(name string) string {
+	b := make([]byte, 0, len(name))
+	for _, r := range name {
+		// SimpleFold steps through the runes equal to r under case folding
+		// in increasing order, from the greatest to the least.
+		next := unicode.SimpleFold(r)
+		for next > r {
+			r, next = next, unicode.SimpleFold(next)
+		}
+		b = utf8.AppendRune(b, next)
+	}
+	return string(b)
 }
 
 // replaced reports whether a decoded value holds U+FFFD in a string or a
@@ -190,13 +295,18 @@ func writeString(b *bytes.Buffer, s string) {
 }
 
 // selectFields keeps (include) or drops (exclude) the members named by
-// dotted paths ("amount", "card.number") in a decoded JSON value.
+// dotted paths ("amount", "card.number") in a decoded JSON value. An
+// included path names members as encoding/json binds names to fields,
+// level by level: the member whose name is equal to the path's under case
+// folding ("Card.Number"), kept under its name as the document has it. An
+// excluded path names members exactly.
 func selectFields(v any, include, exclude []string) any {
 	if len(include) > 0 {
 		kept := map[string]any{}
 		for _, path := range include {
-			if val, ok := lookup(v, strings.Split(path, ".")); ok {
-				place(kept, strings.Split(path, "."), val)
+			names := strings.Split(path, ".")
+			if val, ok := lookup(v, names); ok {
+				place(kept, names, val)
 			}
 		}
 		v = kept
@@ -207,13 +317,26 @@ func selectFields(v any, include, exclude []string) any {
 	return v
 }
 
+// lookup returns the member of v that path names under case folding, and
+// puts in path the names of it and of the members on the way to it as the
+// document has them. There is one such member at most: decodeJSON refuses
+// an object with two.
 func lookup(v any, path []string) (any, bool) {
-	for _, name := range path {
+	for i, name := range path {
 		obj, ok := v.(map[string]any)
 		if !ok {
 			return nil, false
 		}
-		if v, ok = obj[name]; !ok {
+		if v, ok = obj[name]; ok {
+			continue
+		}
+		for as, val := range obj {
+			if strings.EqualFold(as, name) {
+				path[i], v, ok = as, val, true
+				break
+			}
+		}
+		if !ok {
 			return nil, false
 		}
 	}

@@ -1,6 +1,8 @@
 package httpidem_test
 
 import (
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/idemhq/idem/httpidem"
@@ -55,5 +57,56 @@ func TestCanonicalJSONSortsByUTF16(t *testing.T) {
 	got, err := httpidem.CanonicalJSON([]byte(`{"｡":1,"😀":2}`))
 	if err != nil || string(got) != `{"😀":2,"｡":1}` {
 		t.Fatalf("got %s, %v", got, err)
+	}
+}
+
+// TestCanonicalJSONRefusesCaseFoldedMembers: encoding/json binds members
+// whose names are equal under case folding to one field, the last in the
+// document winning (objects merging), so {"amount":100,"AMOUNT":5000}
+// (5000) and {"AMOUNT":5000,"amount":100} (100), or {"card":{"number":1},
+// "card":{}} (1) and {"card":{"number":2},"card":{}} (2), are two payloads
+// that sorting would make one text: CanonicalJSON refuses them, in any
+// object at any depth, whether it has few members or many, and the
+// middleware hashes them as sent. Names that do not collide, or collide in
+// two objects, are canonicalized as before. (Sorting made {"amount":100,
+// "AMOUNT":5000} and {"AMOUNT":5000,"amount":100} one text, and a decoded
+// map kept only the last "card".)
+func TestCanonicalJSONRefusesCaseFoldedMembers(t *testing.T) {
+	var many strings.Builder // 20 members: names are compared another way
+	for i := range 20 {
+		fmt.Fprintf(&many, `"m%02d":%d,`, 19-i, 19-i)
+	}
+	for _, bad := range []string{
+		`{"amount":100,"AMOUNT":5000}`,
+		`{"AMOUNT":5000,"amount":100}`,
+		`{"amount":1,"amount":1}`,
+		`{"card":{"number":1},"card":{}}`,
+		`{"b":1,"a":{"d":true,"c":null},"A":3}`,
+		`{"x":{"Kelvin":1,"Kelvin":2}}`, // U+212A KELVIN SIGN
+		`[{"ok":1},{"s":1,"ſ":2}]`,
+		`{"\u0041":1,"a":2}`, // an escaped name
+		"{" + many.String() + `"Z":1,"z":2}`,
+		"{" + many.String() + `"m07":1}`,
+		`{"a":{"b":[{"c":{"d":1,"D":2}}]}}`,
+	} {
+		if got, err := httpidem.CanonicalJSON([]byte(bad)); err == nil {
+			t.Errorf("CanonicalJSON(%s) = %s; want it refused", bad, got)
+		}
+	}
+	var sorted strings.Builder
+	for i := range 20 {
+		fmt.Fprintf(&sorted, `"m%02d":%d,`, i, i)
+	}
+	for in, want := range map[string]string{
+		`{"amount":1,"amount_x":2,"amounts":3}`:           `{"amount":1,"amount_x":2,"amounts":3}`,
+		`{"n":"a:b\":\\","m":[":",{"k":":"}]}`:            `{"m":[":",{"k":":"}],"n":"a:b\":\\"}`, // colons in strings
+		`{"a":{"a":1,"b":2},"b":[{"a":1},{"a":2,"B":3}]}`: `{"a":{"a":1,"b":2},"b":[{"a":1},{"B":3,"a":2}]}`,
+		`{"straße":1,"STRASSE":2,"ı":3,"I":4}`:            `{"I":4,"STRASSE":2,"straße":1,"ı":3}`,
+		"{" + many.String() + `"Z":1}`:                    `{"Z":1,` + sorted.String()[:sorted.Len()-1] + "}",
+	} {
+		got, err := httpidem.CanonicalJSON([]byte(in))
+		if err != nil || string(got) != want {
+			t.Errorf("CanonicalJSON(%s)\n got %s, %v\nwant %s", in, got, err, want)
+		}
 	}
 }

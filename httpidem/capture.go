@@ -5,13 +5,16 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 )
 
 // neverStored are headers a replay must not repeat: credentials, cookies,
-// hop-by-hop headers (RFC 9110 §7.6.1) and per-response ones.
+// hop-by-hop headers (RFC 9110 §7.6.1) and per-response ones. Trailer is
+// stored apart (storedHeader), with the trailers it declares.
 var neverStored = map[string]bool{
 	"Set-Cookie": true, "Authorization": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
 	"Connection": true, "Keep-Alive": true, "Te": true, "Trailer": true, "Transfer-Encoding": true,
@@ -21,8 +24,10 @@ var neverStored = map[string]bool{
 // StoredHeader returns the headers of h that idem stores for a replay, as
 // it stores a handler's: names in canonical form (values under names that
 // differ only in case are merged), without credentials, cookies,
-// hop-by-hop and per-response headers. For outcomes that come from
-// elsewhere than a handler: a resolver's, an operator's.
+// hop-by-hop and per-response headers. A Trailer header is kept, naming
+// the trailers kept: their values, in h with the headers, are replayed as
+// trailers. For outcomes that come from elsewhere than a handler: a
+// resolver's, an operator's.
 func StoredHeader(h http.Header) http.Header {
 	c := make(http.Header, len(h))
 	for name, values := range h {
@@ -62,7 +67,57 @@ func storedHeader(h http.Header, allow map[string]bool) http.Header {
 			out[name] = all[len(all)-len(vs) : len(all) : len(all)]
 		}
 	}
+	// The trailers declared and kept, declared again: a replay sends their
+	// values after the body, as the handler did.
+	var trailers []string
+	for name := range declared(h) {
+		if kept(name) {
+			trailers = append(trailers, name)
+		}
+	}
+	if len(trailers) > 0 {
+		slices.Sort(trailers)
+		out["Trailer"] = []string{strings.Join(trailers, ", ")}
+	}
 	return out
+}
+
+// declared returns the names of the trailers h declares in its Trailer
+// header, in canonical form (nil when none).
+func declared(h http.Header) map[string]bool {
+	var names map[string]bool
+	for _, v := range h["Trailer"] {
+		for _, name := range strings.Split(v, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				if names == nil {
+					names = map[string]bool{}
+				}
+				names[http.CanonicalHeaderKey(name)] = true
+			}
+		}
+	}
+	return names
+}
+
+// send writes a response with header h to w: the header, then body, then
+// the values of the trailers h declares, as trailers (a handler sets them
+// once the body is written; net/http would send them as headers too if
+// they were there before).
+func send(w http.ResponseWriter, h http.Header, status int, body []byte) {
+	trailers := declared(h)
+	dst := w.Header()
+	for name, values := range h {
+		if !trailers[name] {
+			dst[name] = values
+		}
+	}
+	w.WriteHeader(status)
+	w.Write(body)
+	for name := range trailers {
+		if values, ok := h[name]; ok {
+			dst[name] = values
+		}
+	}
 }
 
 // capture buffers a handler's response so that its outcome can be stored
@@ -107,13 +162,27 @@ func (c *capture) WriteHeader(status int) {
 		return
 	}
 	if status >= 100 && status < 200 && status != http.StatusSwitchingProtocols {
-		c.w.WriteHeader(status) // informational: straight through, not the outcome
+		c.inform(status)
 		return
 	}
 	c.status = status
 	if c.passing {
 		c.w.WriteHeader(status)
 	}
+}
+
+// inform sends an informational answer (103 Early Hints) straight
+// through, not as the outcome, with the headers as they are now, as net/http
+// sends a 1xx with its header map: the writer's with the handler's in
+// place. The writer's are as they were afterwards: the handler's reach it
+// with the final answer, as the handler leaves them.
+func (c *capture) inform(status int) {
+	h := c.w.Header()
+	before := maps.Clone(h)
+	maps.Copy(h, c.header)
+	c.w.WriteHeader(status)
+	clear(h)
+	maps.Copy(h, before)
 }
 
 func (c *capture) Write(p []byte) (int, error) {
@@ -218,13 +287,8 @@ func (c *capture) deliver(expires string) {
 	if c.status == 0 {
 		c.status = http.StatusOK
 	}
-	h := c.w.Header()
-	for name, values := range c.header {
-		h[name] = values
-	}
 	if expires != "" {
-		h.Set(HeaderExpires, expires)
+		c.header.Set(HeaderExpires, expires)
 	}
-	c.w.WriteHeader(c.status)
-	c.w.Write(c.body.Bytes())
+	send(c.w, c.header, c.status, c.body.Bytes())
 }

@@ -103,3 +103,48 @@ func TestFinishOutsideMiddleware(t *testing.T) {
 		t.Fatalf("err = %v", err)
 	}
 }
+
+// TestFinishReplaysTheHeadersSetOnTheWriter: a handler sets Location and
+// Content-Type on w, then settles with Finish a response that names
+// neither. The first client and the replay get the same headers (Set-Cookie
+// only the first). (Only resp.Header was stored: the replay had no Location
+// and a sniffed Content-Type.)
+func TestFinishReplaysTheHeadersSetOnTheWriter(t *testing.T) {
+	st, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "idem.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	a := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Location", "/charges/ch_1")
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Trace", "from the writer")
+		w.Header().Set("Set-Cookie", "s=1")
+		tx, err := st.DB().BeginTx(r.Context(), nil)
+		if err != nil {
+			http.Error(w, err.Error(), 503)
+			return
+		}
+		defer tx.Rollback()
+		resp := &idem.Response{Status: 201, Header: http.Header{"X-Trace": {"from resp"}}, Body: []byte(`{"id":"ch_1"}`)}
+		if err := httpidem.Finish(w, r, resp, func(p idem.FinishParams) error {
+			if err := st.FinishTx(r.Context(), tx, p); err != nil {
+				return err
+			}
+			return tx.Commit()
+		}); err != nil {
+			http.Error(w, err.Error(), 500)
+		}
+	})
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, st)}, a)
+	first := send(t, srv, "POST", "/pay", "k", "x")
+	again := send(t, srv, "POST", "/pay", "k", "x")
+	if first.status != 201 || first.header.Get("Set-Cookie") != "s=1" || again.status != 201 || again.header.Get("Idempotent-Replayed") != "true" || again.header.Get("Set-Cookie") != "" {
+		t.Fatalf("first %d %v; replay %d %v", first.status, first.header, again.status, again.header)
+	}
+	for name, want := range map[string]string{"Location": "/charges/ch_1", "Content-Type": "application/json", "X-Trace": "from resp"} {
+		if first.header.Get(name) != want || again.header.Get(name) != want {
+			t.Errorf("%s: first %q, replay %q; want %q in both", name, first.header.Get(name), again.header.Get(name), want)
+		}
+	}
+}

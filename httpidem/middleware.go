@@ -16,6 +16,8 @@
 //	outcome of an earlier run unknown          409 operation-uncertain
 //	stored response could not be kept          409 response-not-replayable
 //	store unreachable                          503, nothing runs
+//	request's context ended before it ran      503 not-run (409 in-progress
+//	                                           when the first still runs)
 //
 // The handler's response is buffered and stored before the client sees it
 // (or, while the store cannot be reached, kept in the engine's journal, which
@@ -43,6 +45,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -174,13 +177,20 @@ type Config struct {
 	ScopeHeaders []string `yaml:"scope_headers"`
 	// CanonicalJSON fingerprints a JSON request body in its RFC 8785
 	// canonical form, so key order and whitespace do not count. A body that
-	// is not JSON is fingerprinted as sent. Defaults to false.
+	// is not JSON, or that [CanonicalJSON] refuses (an object with two
+	// members whose names differ only in case, or repeat, which
+	// encoding/json binds to one field), is fingerprinted as sent. Defaults
+	// to false.
 	CanonicalJSON bool `yaml:"canonical_json"`
 	// IncludeFields, when set, fingerprints only these members of a JSON
-	// body (dotted paths such as "card.last4"). Implies CanonicalJSON.
+	// body (dotted paths such as "card.last4"), matching names as
+	// encoding/json binds them to fields: the member whose name equals the
+	// path's under case folding ("Card.Last4") counts, under its name as
+	// the body has it. Implies CanonicalJSON.
 	IncludeFields []string `yaml:"include_fields"`
 	// ExcludeFields leaves these members of a JSON body out of its
-	// fingerprint (a client timestamp, say). Implies CanonicalJSON.
+	// fingerprint (a client timestamp, say), named exactly. Implies
+	// CanonicalJSON.
 	ExcludeFields []string `yaml:"exclude_fields"`
 	// MaxRequestBody is the largest body accepted. Defaults to
 	// [DefaultMaxRequestBody].
@@ -193,7 +203,8 @@ type Config struct {
 	// Set-Cookie, Authorization, hop-by-hop headers and Date.
 	StoreHeaders []string `yaml:"store_headers"`
 	// Wait is how long a duplicate of a running request waits for the first
-	// to finish, to get its replay; a duplicate whose wait runs out gets
+	// to finish, to get its replay; a duplicate whose wait runs out (or
+	// is cut short by its request's context: an outer deadline) gets
 	// 409 in-progress. Clients seldom honour Retry-After (Stripe's SDKs
 	// give up after a second or two), so waiting is what lets a duplicate of
 	// a slow request succeed. Defaults to [DefaultWait]; negative answers
@@ -436,14 +447,24 @@ var ErrNoCall = errors.New("httpidem: not inside a request run by the middleware
 // when the transaction rolled back). [idem.ErrLeaseLost] from FinishTx means
 // a newer owner has the record.
 //
-// The stored copy of resp leaves out the headers the middleware never
-// stores; the client gets all of them.
+// The response sent and stored has the headers set on w before Finish is
+// called (a Location, a Content-Type), with resp.Header's values in place
+// of those it names, as a handler that writes its answer itself has them
+// stored: a replay looks like the first answer. The stored copy leaves out
+// the headers the middleware never stores; the client gets all of them.
 func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit func(idem.FinishParams) error) error {
 	c := callFrom(r.Context())
 	if c == nil {
 		return ErrNoCall
 	}
-	stored := &idem.Response{Status: resp.Status, Header: storedHeader(resp.Header, c.m.allow)}
+	header := w.Header().Clone()
+	if header == nil {
+		header = http.Header{}
+	}
+	for name, values := range resp.Header {
+		header[name] = slices.Clone(values)
+	}
+	stored := &idem.Response{Status: resp.Status, Header: storedHeader(header, c.m.allow)}
 	if int64(len(resp.Body)) > c.m.cfg.MaxResponseBody {
 		stored.BodyOmitted = true
 	} else {
@@ -456,8 +477,8 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 	}
 	c.settled.Store(true)
 	h := w.Header()
-	for name, values := range resp.Header {
-		h[name] = slices.Clone(values)
+	for name, values := range header {
+		h[name] = values
 	}
 	h.Set(HeaderExpires, stored.Header.Get(HeaderExpires))
 	w.WriteHeader(resp.Status)
@@ -529,6 +550,13 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if err != nil && r.Context().Err() != nil && !errors.Is(err, idem.ErrUnavailable) {
 		m.observe(r, ObservedClientGone)
 		log().Info("idempotency: the client went away while waiting", "err", err)
+		// The context may have ended with the client still there (an outer
+		// middleware's deadline): answer, or net/http answers 200 OK.
+		if out.Decision == idem.InFlight {
+			inProgress(w, out.RetryAfter)
+		} else {
+			notRun(w)
+		}
 		return
 	}
 	if err != nil {
@@ -561,6 +589,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			if err := m.cfg.Engine.Release(context.WithoutCancel(r.Context()), out.Lease); err != nil {
 				log().Error("idempotency: cannot release the key of a request whose client went away", "err", err)
 			}
+			notRun(w)
 			return
 		}
 		m.observe(r, ObservedExecuted)
@@ -579,15 +608,32 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			Differs: out.Diff}).Write(w)
 	case idem.InFlight:
 		m.observe(r, ObservedInFlight)
-		// The lease's end is only an upper bound on when the first request
-		// finishes; most finish far sooner, so ask for a prompt retry.
-		(&Problem{Type: ProblemInProgress, Title: "A request with this Idempotency-Key is in progress", Status: http.StatusConflict,
-			Detail: "retry after the first request finishes", RetryAfter: min(out.RetryAfter, InProgressRetryAfter)}).Write(w)
+		inProgress(w, out.RetryAfter)
 	case idem.Uncertain:
 		m.observe(r, ObservedUncertain)
 		(&Problem{Type: ProblemUncertain, Title: "The outcome of the first request with this Idempotency-Key is unknown", Status: http.StatusConflict,
 			Detail: "it may or may not have taken effect; it will not be run again until that is resolved"}).Write(w)
 	}
+}
+
+// inProgress answers 409 in-progress to a duplicate of a request that
+// still runs, whose lease ends within retryAfter.
+func inProgress(w http.ResponseWriter, retryAfter time.Duration) {
+	// The lease's end is only an upper bound on when the first request
+	// finishes; most finish far sooner, so ask for a prompt retry.
+	if retryAfter <= 0 {
+		retryAfter = InProgressRetryAfter
+	}
+	(&Problem{Type: ProblemInProgress, Title: "A request with this Idempotency-Key is in progress", Status: http.StatusConflict,
+		Detail: "retry after the first request finishes", RetryAfter: min(retryAfter, InProgressRetryAfter)}).Write(w)
+}
+
+// notRun answers a request whose context ended before it could run: a
+// client that went away does not hear it, one still there (an outer
+// middleware's deadline ran out) learns that nothing ran.
+func notRun(w http.ResponseWriter) {
+	(&Problem{Type: ProblemNotRun, Title: "The request was not run", Status: http.StatusServiceUnavailable,
+		Detail: "its deadline passed, or its client went away, before it could run; retry it with the same key", RetryAfter: time.Second}).Write(w)
 }
 
 // fingerprint hashes the request: method, path, canonical query and the body
@@ -603,7 +649,21 @@ func (m *Middleware) fingerprint(r *http.Request, body []byte) idem.Fingerprint 
 			}
 		}
 	}
-	return idem.NewFingerprint(idem.Payload{Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Body: body})
+	return idem.NewFingerprint(idem.Payload{Method: r.Method, Path: fingerprintPath(r.URL), Query: r.URL.RawQuery, Body: body})
+}
+
+// fingerprintPath is the path a request is fingerprinted by: the decoded
+// path, as it always was, unless the path as sent has an escaped slash.
+// /a%2Fb and /a/b decode alike but are two routes (Go's ServeMux matches
+// the escaped path, {id} is "a/b" in the first), so such a path counts as
+// sent, after a prefix that no decoded path has (those begin with "/", or
+// are "*" or empty), so that it is never taken for a path whose decoded
+// form reads the same (/a%252Fb decodes to "/a%2Fb").
+func fingerprintPath(u *url.URL) string {
+	if raw := u.RawPath; strings.Contains(raw, "%2F") || strings.Contains(raw, "%2f") {
+		return "escaped:" + u.EscapedPath()
+	}
+	return u.Path
 }
 
 // decoded returns a gzip-encoded body decoded: what it carries is the
@@ -715,11 +775,10 @@ func replay(w http.ResponseWriter, resp *idem.Response) {
 			OriginalStatus: resp.Status}).Write(w)
 		return
 	}
-	h := w.Header()
-	for name, values := range resp.Header {
-		h[name] = slices.Clone(values)
+	h := resp.Header.Clone()
+	if h == nil {
+		h = http.Header{}
 	}
 	h.Set(HeaderReplayed, "true")
-	w.WriteHeader(resp.Status)
-	w.Write(resp.Body)
+	send(w, h, resp.Status, resp.Body)
 }

@@ -9,7 +9,9 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"net/http/httputil"
+	"net/textproto"
 	"net/url"
 	"path/filepath"
 	"reflect"
@@ -90,6 +92,7 @@ func serve(t *testing.T, cfg httpidem.Config, h http.Handler) *httptest.Server {
 	}
 	srv := httptest.NewServer(mw.Wrap(h))
 	t.Cleanup(srv.Close)
+	srv.Client().Timeout = time.Minute // a regression fails with a message, never hangs
 	return srv
 }
 
@@ -988,5 +991,312 @@ func TestIgnoredKeepsTheWritersInterfaces(t *testing.T) {
 	}))
 	if r := send(t, srv, "GET", "/ws", "k", ""); r.status != http.StatusNoContent || r.header.Get(httpidem.HeaderIgnored) == "" {
 		t.Fatalf("%d %s; want 204 from a handler that found the writer's interfaces, saying the key was ignored", r.status, r.body)
+	}
+}
+
+// cancelOnAcquire cancels the request's context (the cancel func withCancel
+// sends it) once the store has acquired the record: the request's deadline
+// passes while its acquire is under way.
+type cancelOnAcquire struct {
+	idem.Store
+	cancel chan context.CancelFunc
+}
+
+func (s *cancelOnAcquire) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	r, err := s.Store.Acquire(ctx, p)
+	select {
+	case cancel := <-s.cancel:
+		cancel()
+	default:
+	}
+	return r, err
+}
+
+// withCancel is an outer middleware that ends a request's context as a
+// per-request deadline would: at once when it carries "X-Test-Cancel: now",
+// and when the test calls the cancel func sent to cancels when it carries
+// "X-Test-Cancel: later".
+func withCancel(h http.Handler, cancels chan<- context.CancelFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithCancel(r.Context())
+		defer cancel()
+		switch r.Header.Get("X-Test-Cancel") {
+		case "now":
+			cancel()
+		case "later":
+			cancels <- cancel
+		}
+		h.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
+
+// TestDuplicateWhoseWaitEndsWithItsContextIsToldToRetry: a duplicate waits
+// for the first, which still runs; an outer middleware's per-request
+// deadline ends the duplicate's context during the wait. The client, still
+// connected, gets 409 in-progress with Retry-After and Stripe-Should-Retry:
+// true, and its retry after the first finished gets the replay. (The
+// middleware returned without writing: net/http answered 200 OK with an
+// empty body for work that did not run.)
+func TestDuplicateWhoseWaitEndsWithItsContextIsToldToRetry(t *testing.T) {
+	g := newGate()
+	a := &app{handler: g.ServeHTTP}
+	eng := newEngine(t, memstore.New())
+	mw, err := httpidem.New(httpidem.Config{Engine: eng, Wait: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancels := make(chan context.CancelFunc, 1)
+	srv := httptest.NewServer(withCancel(mw.Wrap(a), cancels))
+	t.Cleanup(srv.Close)
+	srv.Client().Timeout = time.Minute
+	release := sync.OnceFunc(func() { close(g.release) })
+	var sending sync.WaitGroup
+	t.Cleanup(func() { release(); sending.Wait() }) // before srv.Close, however the test ends
+	first, second := make(chan reply, 1), make(chan reply, 1)
+	sending.Go(func() { first <- send(t, srv, "POST", "/pay", "k", "x") })
+	wait.Recv(t, g.started, 10*time.Second, "the handler to start")
+	sending.Go(func() { second <- send(t, srv, "POST", "/pay", "k", "x", "X-Test-Cancel", "later") })
+	cancel := wait.Recv(t, cancels, 10*time.Second, "the duplicate to arrive")
+	wait.Until(t, 10*time.Second, "the duplicate to wait for the first", func() bool { return eng.Waiting("", "k") == 1 })
+	cancel()
+	r := wait.Recv(t, second, 10*time.Second, "the duplicate's answer")
+	wantProblem(t, r, http.StatusConflict, httpidem.ProblemInProgress)
+	if r.header.Get("Retry-After") == "" || r.header.Get(httpidem.HeaderShouldRetry) != "true" {
+		t.Fatalf("Retry-After %q, %s %q; want a retry asked for", r.header.Get("Retry-After"), httpidem.HeaderShouldRetry, r.header.Get(httpidem.HeaderShouldRetry))
+	}
+	release()
+	if f := wait.Recv(t, first, 10*time.Second, "the first's answer"); f.status != 201 {
+		t.Fatalf("first = %d", f.status)
+	}
+	if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.header.Get("Idempotent-Replayed") != "true" || a.runs.Load() != 1 {
+		t.Fatalf("retry: %d replayed=%q, runs %d", r.status, r.header.Get("Idempotent-Replayed"), a.runs.Load())
+	}
+}
+
+// TestRequestWhoseContextEndedBeforeItRanIsToldToRetry: a request's context
+// ends (an outer middleware's per-request deadline) before the handler runs:
+// once before the key is looked up, once while the store acquires it. The
+// client, still connected, gets 503 not-run with Retry-After and
+// Stripe-Should-Retry: true, nothing ran, and its retry with the same key
+// runs. (The middleware returned without writing: net/http answered 200 OK
+// with an empty body.)
+func TestRequestWhoseContextEndedBeforeItRanIsToldToRetry(t *testing.T) {
+	a := &app{handler: charge}
+	st := &cancelOnAcquire{Store: memstore.New(), cancel: make(chan context.CancelFunc, 1)}
+	mw, err := httpidem.New(httpidem.Config{Engine: newEngine(t, st)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(withCancel(mw.Wrap(a), st.cancel))
+	t.Cleanup(srv.Close)
+	srv.Client().Timeout = time.Minute
+	for _, when := range []string{"now", "later"} { // before the lookup; during the acquire
+		key := "k-" + when
+		r := send(t, srv, "POST", "/pay", key, "x", "X-Test-Cancel", when)
+		wantProblem(t, r, http.StatusServiceUnavailable, httpidem.ProblemNotRun)
+		if r.header.Get("Retry-After") == "" || r.header.Get(httpidem.HeaderShouldRetry) != "true" || a.runs.Load() != 0 {
+			t.Fatalf("%s: Retry-After %q, %s %q, runs %d; want a retry asked for, nothing run", when,
+				r.header.Get("Retry-After"), httpidem.HeaderShouldRetry, r.header.Get(httpidem.HeaderShouldRetry), a.runs.Load())
+		}
+		if r := send(t, srv, "POST", "/pay", key, "x"); r.status != 201 || a.runs.Load() != 1 {
+			t.Fatalf("%s: retry %d, runs %d; want it run", when, r.status, a.runs.Load())
+		}
+		a.runs.Store(0)
+	}
+}
+
+// TestEscapedSlashIsAnotherPath: /charges/a%2Fb/refund and
+// /charges/a/b/refund are two routes for Go 1.22's ServeMux ({id} is "a/b"
+// in the first); the same key sent to the second after the first gets 422,
+// not the first's replay. (Both were fingerprinted by the decoded path.)
+func TestEscapedSlashIsAnotherPath(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /charges/{id}/refund", func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "refunded charge "+r.PathValue("id"))
+	})
+	mux.HandleFunc("POST /charges/{acct}/{id}/refund", func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "refunded charge "+r.PathValue("id")+" of account "+r.PathValue("acct"))
+	})
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, mux)
+	if r := send(t, srv, "POST", "/charges/a%2Fb/refund", "k", "x"); r.body != "refunded charge a/b" {
+		t.Fatalf("first: %d %q", r.status, r.body)
+	}
+	r := send(t, srv, "POST", "/charges/a/b/refund", "k", "x")
+	wantProblem(t, r, http.StatusUnprocessableEntity, httpidem.ProblemPayloadMismatch)
+	if !reflect.DeepEqual(r.problem.Differs, []string{"path"}) {
+		t.Fatalf("differs = %v, want [path]", r.problem.Differs)
+	}
+	// A literal "%2F" in a segment (sent as %252F) is a third route.
+	wantProblem(t, send(t, srv, "POST", "/charges/a%252Fb/refund", "k", "x"), http.StatusUnprocessableEntity, httpidem.ProblemPayloadMismatch)
+	if r := send(t, srv, "POST", "/charges/a%2fb/refund", "k2", "x"); r.body != "refunded charge a/b" {
+		t.Fatalf("lower-case escape: %d %q", r.status, r.body)
+	}
+	if r := send(t, srv, "POST", "/charges/a%2fb/refund", "k2", "x"); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("retry of an escaped-slash path: %d %q, want the replay", r.status, r.body)
+	}
+}
+
+// TestCaseFoldedMembersInAnotherOrderAreAnotherPayload: with CanonicalJSON,
+// {"amount":100,"AMOUNT":5000} is charged 5000 by a Go handler (encoding/json
+// binds both names to the field, the last wins); the same key then sent with
+// {"AMOUNT":5000,"amount":100}, which the handler reads as 100, gets 422,
+// not the replay of the charge of 5000, and so does a body that repeats a
+// member; a retry with the first's bytes gets the replay. Such a body is
+// hashed as sent. (Sorting the members made the two one canonical text.)
+func TestCaseFoldedMembersInAnotherOrderAreAnotherPayload(t *testing.T) {
+	a := &app{handler: chargeAmount}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), CanonicalJSON: true}, a)
+	first := `{"amount":100,"AMOUNT":5000}`
+	if r := send(t, srv, "POST", "/pay", "k", first); r.body != "charged 5000 " {
+		t.Fatalf("first: %d %q", r.status, r.body)
+	}
+	for _, other := range []string{`{"AMOUNT":5000,"amount":100}`, `{"amount":100,"AMOUNT":5000,"amount":100}`} {
+		wantProblem(t, send(t, srv, "POST", "/pay", "k", other), http.StatusUnprocessableEntity, httpidem.ProblemPayloadMismatch)
+	}
+	if r := send(t, srv, "POST", "/pay", "k", first); r.header.Get("Idempotent-Replayed") != "true" || r.body != "charged 5000 " {
+		t.Fatalf("a retry with the same bytes: %d %q, want the replay", r.status, r.body)
+	}
+	if a.runs.Load() != 1 {
+		t.Fatalf("ran %d times", a.runs.Load())
+	}
+}
+
+// TestRepeatedMembersAreAnotherPayload: with CanonicalJSON, or with
+// IncludeFields [card.number], {"card":{"number":"4242"},"card":{}} is
+// charged to card 4242 by a Go handler (encoding/json decodes both members
+// into the field, the second leaving the number of the first); the same key
+// then sent with {"card":{"number":"1111"},"card":{}}, which the handler
+// charges to card 1111, gets 422, not the replay of the charge to 4242; a
+// retry with the first's bytes gets the replay. (A decoded map kept only
+// the last "card", {}: both bodies had one fingerprint.)
+func TestRepeatedMembersAreAnotherPayload(t *testing.T) {
+	for name, cfg := range map[string]httpidem.Config{
+		"canonical JSON": {CanonicalJSON: true},
+		"fields":         {IncludeFields: []string{"amount", "card.number"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			a := &app{handler: chargeAmount}
+			cfg.Engine = newEngine(t, memstore.New())
+			srv := serve(t, cfg, a)
+			first := `{"card":{"number":"4242"},"card":{}}`
+			if r := send(t, srv, "POST", "/pay", "k", first); r.body != "charged 0 4242" {
+				t.Fatalf("first: %d %q", r.status, r.body)
+			}
+			wantProblem(t, send(t, srv, "POST", "/pay", "k", `{"card":{"number":"1111"},"card":{}}`), http.StatusUnprocessableEntity, httpidem.ProblemPayloadMismatch)
+			if r := send(t, srv, "POST", "/pay", "k", first); r.header.Get("Idempotent-Replayed") != "true" || r.body != "charged 0 4242" {
+				t.Fatalf("a retry with the same bytes: %d %q, want the replay", r.status, r.body)
+			}
+			if a.runs.Load() != 1 {
+				t.Fatalf("ran %d times", a.runs.Load())
+			}
+		})
+	}
+}
+
+// chargeAmount charges what encoding/json reads from the body.
+func chargeAmount(w http.ResponseWriter, r *http.Request) {
+	var in struct {
+		Amount   int    `json:"amount"`
+		Currency string `json:"currency"`
+		Card     struct {
+			Number string `json:"number"`
+		} `json:"card"`
+	}
+	if err := json.NewDecoder(r.Body).Decode(&in); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	fmt.Fprintf(w, "charged %d %s%s", in.Amount, in.Currency, in.Card.Number)
+}
+
+// TestIncludeFieldsMatchNamesAsEncodingJSONDoes: IncludeFields [amount,
+// currency, card.number] and a client that writes PascalCase, which
+// encoding/json binds to those fields: the same key sent with another
+// amount, currency or card number gets 422, not the replay of the first
+// charge. (The names were matched exactly: both bodies fingerprinted as
+// {}.)
+func TestIncludeFieldsMatchNamesAsEncodingJSONDoes(t *testing.T) {
+	a := &app{handler: chargeAmount}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), IncludeFields: []string{"amount", "currency", "card.number"}}, a)
+	first := `{"Amount":100,"Currency":"usd","Card":{"Number":"4242"},"Note":"a"}`
+	if r := send(t, srv, "POST", "/pay", "k", first); r.body != "charged 100 usd4242" {
+		t.Fatalf("first: %d %q", r.status, r.body)
+	}
+	for _, other := range []string{
+		`{"Amount":5000,"Currency":"usd","Card":{"Number":"4242"}}`,
+		`{"Amount":100,"currency":"eur","Card":{"Number":"4242"}}`,
+		`{"Amount":100,"Currency":"usd","CARD":{"NUMBER":"1111"}}`,
+		`{"Amount":100,"amount":5000,"Currency":"usd","Card":{"Number":"4242"}}`,
+	} {
+		wantProblem(t, send(t, srv, "POST", "/pay", "k", other), http.StatusUnprocessableEntity, httpidem.ProblemPayloadMismatch)
+	}
+	if r := send(t, srv, "POST", "/pay", "k", `{"Currency":"usd","Note":"b","Card":{"Number":"4242","Exp":"1"},"Amount":100}`); r.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("only the included fields count: %d %q, want the replay", r.status, r.body)
+	}
+	if a.runs.Load() != 1 {
+		t.Fatalf("ran %d times", a.runs.Load())
+	}
+}
+
+// TestDeclaredTrailerIsReplayedAsTrailer: a handler declares a trailer
+// (Trailer: X-Checksum) and sets it after the body. The first client and
+// the replay both get it as a trailer, not as a header. (Trailer was never
+// stored: the replay sent X-Checksum as a header, and no trailer.)
+func TestDeclaredTrailerIsReplayedAsTrailer(t *testing.T) {
+	a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Trailer", "X-Checksum")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, "body")
+		w.Header().Set("X-Checksum", "abc")
+	}}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	for _, which := range []string{"first", "replay"} {
+		req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 201 || string(body) != "body" || resp.Trailer.Get("X-Checksum") != "abc" || resp.Header.Get("X-Checksum") != "" {
+			t.Fatalf("%s: %d %q, trailer %v, header X-Checksum %q; want the trailer, not a header", which, resp.StatusCode, body, resp.Trailer, resp.Header.Get("X-Checksum"))
+		}
+	}
+	if a.runs.Load() != 1 {
+		t.Fatalf("ran %d times", a.runs.Load())
+	}
+}
+
+// TestEarlyHintsCarryTheHandlersHeaders: a handler sets a Link header and
+// sends 103 Early Hints, then its answer. The 103 carries the Link, as
+// net/http sends a 1xx with the header map as it is then. (It went out with
+// the writer's headers, without the Link the handler had put in the
+// capture's.)
+func TestEarlyHintsCarryTheHandlersHeaders(t *testing.T) {
+	a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Add("Link", "</style.css>; rel=preload; as=style")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.Header().Del("Link")
+		w.WriteHeader(http.StatusCreated)
+	}}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New())}, a)
+	var hints []http.Header
+	req, _ := http.NewRequest("POST", srv.URL+"/pay", strings.NewReader("x"))
+	req.Header.Set("Idempotency-Key", "k")
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{Got1xxResponse: func(code int, h textproto.MIMEHeader) error {
+		hints = append(hints, http.Header(h).Clone())
+		return nil
+	}}))
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if len(hints) != 1 || hints[0].Get("Link") != "</style.css>; rel=preload; as=style" {
+		t.Fatalf("1xx answers %v; want one carrying the handler's Link", hints)
+	}
+	if resp.StatusCode != 201 || resp.Header.Get("Link") != "" {
+		t.Fatalf("final answer %d with Link %q; want 201 without the Link the handler removed", resp.StatusCode, resp.Header.Get("Link"))
 	}
 }

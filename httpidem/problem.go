@@ -23,6 +23,11 @@ const (
 	ProblemUncertain         = ProblemBase + "operation-uncertain"
 	ProblemNotReplayable     = ProblemBase + "response-not-replayable"
 	ProblemStoreUnavailable  = ProblemBase + "store-unavailable"
+	// ProblemNotRun: the request's context ended (a deadline set before
+	// the middleware, or the client went away) before it could run, and
+	// no request with its key was known to be running: it did not run, and
+	// a retry with the same key is answered as any request with it is.
+	ProblemNotRun            = ProblemBase + "not-run"
 	ProblemUpstreamFailed    = ProblemBase + "upstream-failed"
 	ProblemIdempotencyFailed = ProblemBase + "internal"
 )
@@ -50,6 +55,7 @@ var kinds = map[string]struct {
 	ProblemUncertain:         {false, "idempotency_error", "idempotency_outcome_unknown"},
 	ProblemNotReplayable:     {false, "idempotency_error", "idempotency_response_not_replayable"},
 	ProblemStoreUnavailable:  {true, "", ""},
+	ProblemNotRun:            {true, "", ""},
 	ProblemUpstreamFailed:    {true, "", ""},
 	ProblemIdempotencyFailed: {false, "api_error", "idempotency_internal"},
 }
