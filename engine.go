@@ -155,14 +155,39 @@ func New(cfg Config) (*Engine, error) {
 	return e, nil
 }
 
-// Close stores what the journal holds, waiting until it is empty or ctx
-// ends, then stops the engine's background work. Outcomes still waiting stay
-// in the JournalDir for the next engine opened on it (without a JournalDir
-// they are lost); the error says how many. The engine must not be used
-// after Close.
+// Close waits, until ctx ends, for the requests this engine's callers run
+// (the leases they hold and have not settled, until those run out) to
+// settle, then stores what the journal holds, waiting until it is empty or
+// ctx ends, and stops the engine's background work. Outcomes still waiting
+// stay in the JournalDir for the next engine opened on it (without a
+// JournalDir they are lost); the error says how many, and how many requests
+// were still running (their records stay in progress until their leases
+// run out, then UNKNOWN, for a reconciler). After Close, an outcome that the
+// store does not take is kept only in the JournalDir: without one, Complete
+// returns ErrUnavailable.
 func (e *Engine) Close(ctx context.Context) error {
-	return e.journal.close(ctx)
+	running := e.owners.running(e.clock.Now())
+	if running > 0 {
+		tick := time.NewTicker(closePoll)
+		defer tick.Stop()
+		for running > 0 && ctx.Err() == nil {
+			select {
+			case <-ctx.Done():
+			case <-tick.C:
+				running = e.owners.running(e.clock.Now())
+			}
+		}
+	}
+	err := e.journal.close(ctx)
+	if running > 0 {
+		err = errors.Join(fmt.Errorf("idem: %d request(s) still running when the engine closed: their records stay in progress until their leases run out, then UNKNOWN", running), err)
+	}
+	return err
 }
+
+// closePoll is how often Close looks whether the requests it waits for have
+// settled.
+const closePoll = 10 * time.Millisecond
 
 // Pending reports how many outcomes wait in the journal for the store. (It
 // leaves out the releases of lost acquires that the store has answered but
@@ -516,16 +541,21 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 	p := e.finishParams(l, state, resp)
 	p.Repeat = true // the lease's owner: a repeat of its own write may succeed
 	err := e.retry(ctx, func(ctx context.Context) error { return e.store.Finish(ctx, p) })
+	if errors.Is(err, ErrUnavailable) {
+		// In the journal before the lease counts as done: Close, which waits
+		// for the leases held, then finds the outcome there.
+		err := e.journal.put(p, l.Fingerprint, time.Time{})
+		e.owners.done(l)
+		if err != nil {
+			return err
+		}
+		e.notify(ctx, l.Scope, l.Key) // this engine's waiters find it in the journal
+		return nil
+	}
 	e.owners.done(l)
 	switch {
 	case err == nil:
 		e.notify(ctx, l.Scope, l.Key)
-		return nil
-	case errors.Is(err, ErrUnavailable):
-		if err := e.journal.put(p, l.Fingerprint, time.Time{}); err != nil {
-			return err
-		}
-		e.notify(ctx, l.Scope, l.Key) // this engine's waiters find it in the journal
 		return nil
 	case errors.Is(err, ErrLeaseLost) && state == StateCompleted && e.adopt(ctx, l, resp):
 		return nil

@@ -513,3 +513,69 @@ func TestStorePanicFreesTheKey(t *testing.T) {
 		t.Fatalf("the next request for the key: %v, %v; want Execute", out.Decision, err)
 	}
 }
+
+// TestCloseWaitsForRunningRequests: Close closed the journal at once, with
+// requests still running: a proxy stopping gracefully said "every outcome
+// is stored" and exited while a request ran (its record left in progress,
+// then UNKNOWN). Close waits for the leases held to settle; when its
+// context ends first, its error says how many requests still ran.
+func TestCloseWaitsForRunningRequests(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(ctx, charge)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- eng.Close(ctx) }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while a request ran", err)
+	case <-time.After(100 * time.Millisecond): // it may only be slow to return early: this can miss a defect, not invent one
+	}
+	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.Recv(t, closed, 10*time.Second, "Close, once the request settled"); err != nil {
+		t.Fatalf("Close after the running request settled: %v", err)
+	}
+
+	other, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err = other.Begin(ctx, charge); err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if err := other.Close(short); err == nil || !strings.Contains(err.Error(), "1 request(s) still running") {
+		t.Fatalf("Close whose context ended with a request running: %v; want it to say so", err)
+	}
+}
+
+// TestOutcomeAfterCloseIsNotDroppedSilently: a request that finished after
+// its engine closed, the store unreachable and no JournalDir, had its
+// outcome put in a journal nobody would send again, and Complete said nil:
+// the client was answered, the outcome lost. Complete now says the store
+// did not take it.
+func TestOutcomeAfterCloseIsNotDroppedSilently(t *testing.T) {
+	s := &flakyStore{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: s, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(ctx, charge)
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	short, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
+	defer cancel()
+	eng.Close(short) // the request still runs: Close gives up waiting
+	s.down.Store(true)
+	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201}); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Complete after Close, the store down, no journal directory: %v; want ErrUnavailable", err)
+	}
+}

@@ -141,6 +141,13 @@ func entryName(p FinishParams) string {
 // otherwise).
 func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
 	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, name: entryName(p)}
+	j.mu.Lock()
+	closed := j.closed
+	j.mu.Unlock()
+	if closed && j.dir == "" {
+		j.e.log.Error("idem journal: the engine is closed and has no journal directory: an outcome the store did not take is not kept", "key_hash", KeyHash(p.Scope, p.Key), "state", p.State)
+		return fmt.Errorf("idem: the store did not take the outcome and the engine is closed (no journal directory): %w", ErrUnavailable)
+	}
 	if j.dir != "" {
 		if err := j.write(ent); err != nil {
 			j.e.log.Error("idem journal: cannot keep an outcome the store did not take", "key_hash", KeyHash(p.Scope, p.Key), "err", err)

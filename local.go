@@ -45,6 +45,19 @@ func (o *owners) done(l Lease) {
 	}
 }
 
+// running counts the leases held at now: not settled, not run out.
+func (o *owners) running(now time.Time) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n := 0
+	for _, rec := range o.m {
+		if now.Before(rec.LeaseExpires) {
+			n++
+		}
+	}
+	return n
+}
+
 // get returns the running record under scope and key whose lease a caller
 // of this engine holds at now.
 func (o *owners) get(scope, key string, now time.Time) (Record, bool) {
