@@ -198,6 +198,9 @@ func (e *Engine) Pending() int { return e.journal.len() }
 // whose answer was lost: short, since most such faults are one dropped
 // connection, and growing.
 func retryPause(n int) time.Duration {
+	if n >= 3 { // 10 ms << 6 is past the cap; further shifts overflow
+		return 500 * time.Millisecond
+	}
 	return min(10*time.Millisecond<<(2*n), 500*time.Millisecond)
 }
 
@@ -326,7 +329,9 @@ type Outcome struct {
 // landed, until the store timeout runs out. When it still cannot tell, it
 // returns ErrUnavailable and has the journal release the record if the
 // acquire landed after all (nothing ran under it), so the key is never left
-// blocked by work that did not run.
+// blocked by work that did not run. When ctx ends while another request
+// for the key is on its way to the store, Begin returns ctx's error with an
+// InFlight outcome.
 func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 	lease, retention := p.Lease, p.Retention
 	if lease == 0 {
@@ -351,7 +356,9 @@ func (e *Engine) Begin(ctx context.Context, p BeginParams) (Outcome, error) {
 		select {
 		case <-f.done:
 		case <-ctx.Done():
-			return Outcome{}, ctx.Err()
+			// Another request for the key is on its way to the store: as far
+			// as this caller knows, it runs.
+			return Outcome{Decision: InFlight, RetryAfter: time.Second}, ctx.Err()
 		}
 		if f.err != nil {
 			return Outcome{}, f.err

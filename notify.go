@@ -45,7 +45,8 @@ func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
 // wakes at once when an engine in this process, or one reached through
 // [Config.Notifier], settles the record, and otherwise looks again every
 // [Config.Poll] (or sooner, when the running lease ends sooner). When the
-// wait runs out, the last InFlight outcome is returned.
+// wait runs out, the last InFlight outcome is returned; when ctx ends, its
+// error with that outcome (InFlight when nothing newer is known).
 //
 // Callers in this process that wait for the same record and payload share
 // one wait: while the work runs in this process none of them asks the
@@ -103,6 +104,9 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 		}
 		select {
 		case <-ctx.Done():
+			if out.Decision == 0 { // the poller had not answered: the first still runs, as far as this caller knows
+				out = Outcome{Decision: InFlight, RetryAfter: time.Second}
+			}
 			return out, ctx.Err()
 		case <-local:
 		case <-remote:

@@ -1300,3 +1300,62 @@ func TestEarlyHintsCarryTheHandlersHeaders(t *testing.T) {
 		t.Fatalf("final answer %d with Link %q; want 201 without the Link the handler removed", resp.StatusCode, resp.Header.Get("Link"))
 	}
 }
+
+// heldAcquire holds every Acquire until gate closes, and says when the
+// first one has reached it.
+type heldAcquire struct {
+	idem.Store
+	reached chan struct{}
+	once    sync.Once
+	gate    chan struct{}
+}
+
+func (s *heldAcquire) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	s.once.Do(func() { close(s.reached) })
+	<-s.gate
+	return s.Store.Acquire(ctx, p)
+}
+
+// TestDuplicateJoiningAnAcquireIsToldItRuns: a duplicate that arrived
+// while the first request's acquire was on its way to the store, and whose
+// own deadline then passed, was told 503 not-run ("no request with its key
+// was running") while the first went on to run. It is told 409 in-progress.
+func TestDuplicateJoiningAnAcquireIsToldItRuns(t *testing.T) {
+	st := &heldAcquire{Store: memstore.New(), reached: make(chan struct{}), gate: make(chan struct{})}
+	eng, err := idem.New(idem.Config{Store: st, StoreTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	mw, err := httpidem.New(httpidem.Config{Engine: eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	request := func(ctx context.Context) *http.Request {
+		r := httptest.NewRequest("POST", "/pay", strings.NewReader(`{"amount":100}`)).WithContext(ctx)
+		r.Header.Set("Idempotency-Key", "k")
+		return r
+	}
+	first := make(chan int, 1)
+	go func() {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, request(context.Background()))
+		first <- w.Code
+	}()
+	wait.Recv(t, st.reached, 10*time.Second, "the first request's acquire to reach the store")
+	deadline, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, request(deadline))
+	close(st.gate)
+	if code := wait.Recv(t, first, 10*time.Second, "the first request"); code != http.StatusCreated || runs.Load() != 1 {
+		t.Fatalf("first request: %d, %d runs; want 201, one run", code, runs.Load())
+	}
+	if w.Code != http.StatusConflict || !strings.Contains(w.Body.String(), "in-progress") {
+		t.Fatalf("duplicate whose deadline passed while the first's acquire was on its way: %d %s; want 409 in-progress", w.Code, w.Body)
+	}
+}

@@ -368,3 +368,15 @@ func TestLockedRecordDoesNotHoldUpItsBatch(t *testing.T) {
 		t.Errorf("the acquire of a third key, after: %v", err)
 	}
 }
+
+// TestMigratePauseStaysBounded: the pause between tries of a migration
+// that waited for a lock grew by shifting and overflowed from the 37th try
+// on (about 90 s into a long transaction): the migration then queued for
+// its lock back to back, and the fleet's writes behind it.
+func TestMigratePauseStaysBounded(t *testing.T) {
+	for n := range 200 {
+		if p := migratePause(n); p < 100*time.Millisecond || p > 2*time.Second {
+			t.Fatalf("migratePause(%d) = %v; want between 100 ms and 2 s", n, p)
+		}
+	}
+}

@@ -81,13 +81,21 @@ func (s *Store) Migrate(ctx context.Context) error {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); !ok || pgErr.Code != "55P03" {
 			return err
 		}
-		pause := min(100*time.Millisecond<<n, 2*time.Second)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("%w (it waited for a lock on the records table, which a transaction holds)", err)
-		case <-time.After(pause):
+		case <-time.After(migratePause(n)):
 		}
 	}
+}
+
+// migratePause is the pause before try n+1 of a migration that waited for
+// a lock too long: growing from 100 ms to 2 s, and no shorter after.
+func migratePause(n int) time.Duration {
+	if n >= 5 { // 100 ms << 5 is past the cap; further shifts overflow
+		return 2 * time.Second
+	}
+	return min(100*time.Millisecond<<n, 2*time.Second)
 }
 
 // migrateLockTimeout bounds how long one try of a migration waits for a

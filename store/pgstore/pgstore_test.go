@@ -1168,8 +1168,12 @@ func TestReleaseOutlastsALateAcquire(t *testing.T) {
 	wait.Until(t, 10*time.Second, "the release to settle the record the late acquire left (nothing ran under it)", func() bool {
 		return countRows(t, sharedPool(t), `SELECT count(*) FROM `+records+` WHERE key = 'order-1' AND state = 'failed'`) == 1
 	})
-	if out, err := eng.Begin(ctx, charge); err != nil || out.Decision != idem.Execute {
+	out, err := eng.Begin(ctx, charge)
+	if err != nil || out.Decision != idem.Execute {
 		t.Fatalf("the client's retry: %v, %v; want Execute, the request never ran", out.Decision, err)
+	}
+	if err := eng.Release(ctx, out.Lease); err != nil { // or Close waits for the lease
+		t.Fatal(err)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
@@ -49,5 +50,18 @@ func TestCacheCountsCheckpoints(t *testing.T) {
 	}
 	if held > max {
 		t.Fatalf("the cache holds %d bytes of bodies and checkpoints in %d records; its bound is %d", held, len(c.items), max)
+	}
+}
+
+// TestRetryPauseStaysBounded: the pause before a retry grew by shifting
+// and overflowed from the 20th round on (negative or zero): the journal's
+// loop, which sends a kept release again round after round until the
+// acquire's lease ends, then sent it with no pause at all (1.4 million
+// times in 15 s against a store that answered).
+func TestRetryPauseStaysBounded(t *testing.T) {
+	for n := range 200 {
+		if p := retryPause(n); p < 10*time.Millisecond || p > 500*time.Millisecond {
+			t.Fatalf("retryPause(%d) = %v; want between 10 ms and 500 ms", n, p)
+		}
 	}
 }
