@@ -155,6 +155,15 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		fmt.Fprintln(stderr, "idem proxy:", message(err))
 		return 2
 	}
+	shutdown, upstream := cmp.Or(cfg.ShutdownTimeout, proxy.DefaultShutdownTimeout), cmp.Or(cfg.UpstreamTimeout, proxy.DefaultUpstreamTimeout)
+	if shutdown <= upstream {
+		log.Warn("shutdown_timeout is not above upstream_timeout: a graceful stop may cut a request still waiting on the upstream, its outcome then unknown until reconciled",
+			"shutdown_timeout", shutdown, "upstream_timeout", upstream)
+	}
+	// The shutdown's one deadline, from the first signal: the servers'
+	// drain, then the engine's close, share it.
+	stop := &proxy.Stop{Timeout: shutdown}
+	defer stop.Release()
 	storeopen.SetLogger(log)
 	opened, err := storeopen.OpenEventually(ctx, cfg.Store)
 	if err != nil {
@@ -165,7 +174,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	if err != nil {
 		return fail(stderr, "idem proxy: telemetry", err)
 	}
-	defer tel.Shutdown(context.WithoutCancel(ctx))
+	defer tel.Shutdown(context.Background()) // bounded by telemetry.FlushTimeout
 	var notifier idem.Notifier
 	if opened.NewNotifier != nil && cfg.Waits() {
 		if notifier, err = opened.NewNotifier(ctx); err != nil {
@@ -179,15 +188,19 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
-	defer closeEngine(eng, cmp.Or(cfg.ShutdownTimeout, proxy.DefaultShutdownTimeout), log)
+	var served error
+	defer func() { closeEngine(stop.Begin(), eng, served, log) }()
 	health := watchHealth(ctx, eng, opened, tel, log)
 	con, err := newConsole(eng, tel, cfg.AdminToken, cfg.ConsoleReadOnly, cfg.ConsoleMask, cfg.AuditLog, log)
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics(), Console: con}
-	if err := proxy.Serve(ctx, cfg, eng, health, log, hooks, nil); err != nil {
-		return fail(stderr, "idem proxy", err)
+	switch served = proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, nil); {
+	case errors.Is(served, proxy.ErrCutShort):
+		return 1 // closeEngine says what is left
+	case served != nil:
+		return fail(stderr, "idem proxy", served)
 	}
 	return 0
 }
@@ -217,13 +230,19 @@ func watchHealth(ctx context.Context, eng *idem.Engine, opened *storeopen.Opened
 	return health
 }
 
-// closeEngine lands what waits in the engine's journal, for as long as the
-// shutdown allows, and says what is left.
-func closeEngine(eng *idem.Engine, within time.Duration, log *slog.Logger) {
-	ctx, cancel := context.WithTimeout(context.Background(), within)
-	defer cancel()
-	if err := eng.Close(ctx); err != nil {
-		log.Error("stopped before the store took every outcome: they wait in the journal directory for the next start (without one, they are lost)", "err", err)
+// closeEngine closes the engine within what is left of the shutdown's
+// deadline (ctx): the requests still running settle, then what waits in the
+// journal is stored. It says what is left, with drained, what the servers'
+// drain met ([proxy.ErrCutShort]: requests were still running when the
+// deadline came): that every outcome is stored only when nothing is.
+func closeEngine(ctx context.Context, eng *idem.Engine, drained error, log *slog.Logger) {
+	var cut error
+	if errors.Is(drained, proxy.ErrCutShort) {
+		cut = proxy.ErrCutShort
+	}
+	if err := errors.Join(cut, eng.Close(ctx)); err != nil {
+		log.Error("stopped with work left: requests still running stay in progress, then UNKNOWN for the reconciler; "+
+			"outcomes the store has not taken wait in the journal directory for the next start (without one, they are lost)", "err", err)
 		return
 	}
 	log.Info("stopped: every outcome is stored")

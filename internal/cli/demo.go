@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -65,7 +66,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return failed(err)
 	}
-	defer tel.Shutdown(context.WithoutCancel(ctx))
+	defer tel.Shutdown(context.Background()) // bounded by telemetry.FlushTimeout
 	measured := tel.Store(opened.Kind, opened.Store)
 	db, err := payments.NewDB(measured)
 	if err != nil {
@@ -75,15 +76,21 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if err != nil {
 		return failed(err)
 	}
-	defer closeEngine(eng, proxy.DefaultShutdownTimeout, log)
+	// One deadline from the first signal: /readyz says not ready, the API
+	// stops accepting and drains, then the simulated acquirer it calls, then
+	// the admin listener; the engine's close gets what is left.
+	stop := &proxy.Stop{}
+	defer stop.Release()
+	var served error
+	defer func() { closeEngine(stop.Begin(), eng, served, log) }()
 	servers := &proxy.Servers{Log: log}
-	defer servers.Shutdown(proxy.DefaultShutdownTimeout)
-	serve := func(addr string, h http.Handler) (string, error) {
-		addr, err := servers.Listen(addr, h)
+	defer func() { servers.Shutdown(stop.Begin()) }() // when it fails before Run
+	serve := func(listen func(string, http.Handler) (string, error), addr string, h http.Handler) (string, error) {
+		addr, err := listen(addr, h)
 		return "http://" + addr, err
 	}
 	if *acquirerURL == "" {
-		if *acquirerURL, err = serve(*acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
+		if *acquirerURL, err = serve(servers.ListenBackend, *acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
 			return failed(err)
 		}
 		fmt.Fprintf(stdout, "simulated card acquirer on %s (switch faults with PUT %s/faults)\n", *acquirerURL, *acquirerURL)
@@ -105,7 +112,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	rec.Start(ctx)
 	defer rec.Stop()
-	api, err := serve(*listen, tel.Wrap(h))
+	api, err := serve(servers.Listen, *listen, tel.Wrap(h))
 	if err != nil {
 		return failed(err)
 	}
@@ -116,7 +123,9 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		if err != nil {
 			return failed(err)
 		}
-		url, err := serve(proxy.LoopbackByDefault(*admin), proxy.Admin(watchHealth(ctx, eng, opened, tel, log), tel.Metrics(), con))
+		health := watchHealth(ctx, eng, opened, tel, log)
+		servers.OnStop = health.SetStopping
+		url, err := serve(servers.ListenAdmin, proxy.LoopbackByDefault(*admin), proxy.Admin(health, tel.Metrics(), con))
 		if err != nil {
 			return failed(err)
 		}
@@ -129,8 +138,11 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, storeopen.Redact(*store))
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
-	if err := servers.Run(ctx, proxy.DefaultShutdownTimeout); err != nil {
-		return failed(err)
+	switch served = servers.Run(ctx, stop); {
+	case errors.Is(served, proxy.ErrCutShort):
+		return 1 // closeEngine says what is left
+	case served != nil:
+		return failed(served)
 	}
 	return 0
 }

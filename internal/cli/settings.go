@@ -44,7 +44,7 @@ var settingHelp = map[string]string{
 	"console_mask":        "hide keys, stored bodies, header values and checkpoint data in the console (the listing then has no key filter)",
 	"audit_log":           "`file` the console's actions are appended to",
 	"upstream_timeout":    "bounds each stall in sending the request, then the wait for the response headers, then for each part of its body; past it the outcome is unknown",
-	"shutdown_timeout":    "how long SIGTERM lets in-flight requests finish and the journal empty",
+	"shutdown_timeout":    "one deadline from SIGTERM: /readyz goes 503, in-flight requests finish, the journal empties; keep it above upstream-timeout, and a pod's terminationGracePeriodSeconds above it (Kubernetes' default: 30s)",
 	"lease":               "lease length, renewed while the upstream works",
 	"retention":           "how long outcomes are replayed",
 	"poll":                "how often a waiting duplicate looks again when nothing wakes it",

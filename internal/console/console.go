@@ -231,6 +231,11 @@ const (
 	countTime = 3 * time.Second
 )
 
+// countPageTime bounds each page a count reads: the count holds every
+// viewer's overview, and a store that does not answer (or one still being
+// opened) must fail it, not hold it.
+const countPageTime = 5 * time.Second
+
 // recount is how long the records' counts are kept: listing costs the
 // store reads (on DynamoDB, read capacity), so an open overview recounts
 // at most this often; an action recounts at once.
@@ -246,12 +251,15 @@ func (c *Console) count(ctx context.Context) tally {
 		return c.tally
 	}
 	// The counts serve every viewer: a viewer who goes away does not cut
-	// them short (and a store call cut short would count as a failure).
+	// them short (and a store call cut short would count as a failure);
+	// each page is bounded instead.
 	ctx = context.WithoutCancel(ctx)
 	t := tally{States: map[string]int{}}
 	eng := c.cfg.Engine
 	now := eng.Now()
 	_, capped, err := countPages(func(cursor string) (idem.ScanResult, error) {
+		ctx, cancel := context.WithTimeout(ctx, countPageTime)
+		defer cancel()
 		return eng.List(ctx, idem.ListParams{Limit: 1000, Cursor: cursor})
 	}, func(r idem.Record) { t.States[string(r.State)]++ })
 	t.Capped = capped
@@ -261,7 +269,11 @@ func (c *Console) count(ctx context.Context) tally {
 		return t
 	}
 	unknown := 0
-	n, capped, err := countPages(func(cursor string) (idem.ScanResult, error) { return eng.Scan(ctx, 1000, cursor) }, func(r idem.Record) {
+	n, capped, err := countPages(func(cursor string) (idem.ScanResult, error) {
+		ctx, cancel := context.WithTimeout(ctx, countPageTime)
+		defer cancel()
+		return eng.Scan(ctx, 1000, cursor)
+	}, func(r idem.Record) {
 		if r.State == idem.StateUnknown {
 			unknown++
 		}

@@ -238,7 +238,7 @@ func TestSlowClientsAreCutOff(t *testing.T) {
 	addr := make(chan string, 1)
 	cfg := proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL,
 		Timeouts: proxy.Timeouts{ReadTimeout: 300 * time.Millisecond, IdleTimeout: 300 * time.Millisecond}}
-	go proxy.Serve(ctx, cfg, sqliteEngine(t), nil, quiet, proxy.Hooks{}, func(a, _ string) { addr <- a })
+	go proxy.Serve(ctx, nil, cfg, sqliteEngine(t), nil, quiet, proxy.Hooks{}, func(a, _ string) { addr <- a })
 	proxyAddr := wait.Recv(t, addr, 5*time.Second, "the proxy to listen")
 
 	closedWithin := func(what string, c net.Conn, within time.Duration) string {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhq/idem"
@@ -21,6 +22,8 @@ type Health struct {
 	store idem.Store // as opened: what it says of its durability
 	kind  string
 	log   *slog.Logger
+
+	stopping atomic.Bool // the process is shutting down: not ready, whatever the store says
 
 	mu     sync.Mutex
 	status HealthStatus
@@ -42,7 +45,27 @@ type HealthStatus struct {
 	Restarts int
 	// Pending counts outcomes waiting in the journal for the store.
 	Pending int
+	// Stopping is true once the process is shutting down: it is not ready
+	// for new requests, whatever the store says.
+	Stopping bool
 }
+
+// Ready reports whether /readyz answers 200: the store answered its last
+// check, and the process is not shutting down.
+func (s HealthStatus) Ready() bool { return s.Reachable && !s.Stopping }
+
+// SetStopping marks the process as shutting down: from now on /readyz
+// answers 503 at once, without asking the store, so that a load balancer
+// stops sending requests while those in flight drain. A nil Health does
+// nothing.
+func (h *Health) SetStopping() {
+	if h != nil {
+		h.stopping.Store(true)
+	}
+}
+
+// Stopping reports whether SetStopping was called.
+func (h *Health) Stopping() bool { return h != nil && h.stopping.Load() }
 
 // NewHealth watches store (as opened, so that it can report durability)
 // through eng.
@@ -101,6 +124,7 @@ func (h *Health) Check(ctx context.Context) HealthStatus {
 	}
 	h.seen = h.seen || reachable
 	h.status = st
+	st.Stopping = h.stopping.Load()
 	return st
 }
 
@@ -119,6 +143,7 @@ func (h *Health) Status() HealthStatus {
 	defer h.mu.Unlock()
 	st := h.status
 	st.Pending = h.eng.Pending()
+	st.Stopping = h.stopping.Load()
 	return st
 }
 
@@ -141,7 +166,14 @@ func (h *Health) Start(ctx context.Context, every time.Duration) {
 // String is the /readyz text.
 func (s HealthStatus) String() string {
 	var b strings.Builder
-	if s.Reachable {
+	if s.Stopping {
+		b.WriteString("not ready\nstopping: shutting down, letting in-flight requests finish\n")
+		if s.Reachable {
+			fmt.Fprintf(&b, "store: %s, answering\n", s.Store)
+		} else {
+			fmt.Fprintf(&b, "store: %s, not answering: %s\n", s.Store, s.Err)
+		}
+	} else if s.Reachable {
 		fmt.Fprintf(&b, "ready\nstore: %s, answering\n", s.Store)
 	} else {
 		fmt.Fprintf(&b, "not ready\nstore: %s, not answering: %s\n", s.Store, s.Err)

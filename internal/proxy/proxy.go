@@ -53,7 +53,12 @@ const (
 	DefaultListen          = "127.0.0.1:8080"
 	DefaultScopeHeader     = "Authorization"
 	DefaultUpstreamTimeout = 60 * time.Second
-	DefaultShutdownTimeout = 30 * time.Second
+	// DefaultShutdownTimeout is above DefaultUpstreamTimeout, so that a
+	// graceful stop lets a request waiting on its upstream for as long as
+	// it may finish and store its outcome, rather than cut it (its record
+	// then UNKNOWN, for the reconciler). Under Kubernetes, whose default
+	// grace period is 30 s, set terminationGracePeriodSeconds above it.
+	DefaultShutdownTimeout = 75 * time.Second
 	// DefaultJournalDir is where outcomes wait while the store is away,
 	// relative to the working directory.
 	DefaultJournalDir = "idem-journal"
@@ -135,8 +140,14 @@ type Config struct {
 	// outcome is unknown.
 	// Defaults to [DefaultUpstreamTimeout].
 	UpstreamTimeout time.Duration `yaml:"upstream_timeout"`
-	// ShutdownTimeout is how long SIGTERM waits for in-flight requests to
-	// finish and store their outcome. Defaults to [DefaultShutdownTimeout].
+	// ShutdownTimeout is the one deadline of a graceful stop (SIGTERM or
+	// SIGINT; a second signal ends the process at once): /readyz says not
+	// ready at once, in-flight requests finish and store their outcome,
+	// then what waits in the journal is stored, all within it. Keep it
+	// above UpstreamTimeout, or a request still waiting on the upstream is
+	// cut (its outcome unknown until reconciled); under Kubernetes, keep
+	// terminationGracePeriodSeconds above it. Defaults to
+	// [DefaultShutdownTimeout].
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
 	// LogFormat is how log lines are written: text or json. Defaults to text.
 	LogFormat string `yaml:"log_format"`
@@ -665,8 +676,8 @@ func isTimeout(err error) bool {
 	return errors.As(err, &ne) && ne.Timeout()
 }
 
-// Admin serves /healthz (the process is up), /readyz (the store answers,
-// and what health knows of it) and, when they are not nil, /metrics and the
+// Admin serves /healthz (the process is up), /readyz (the store answers
+// and the process is not shutting down, and what health knows of the store) and, when they are not nil, /metrics and the
 // console under /console/.
 func Admin(health *Health, metrics, console http.Handler) http.Handler {
 	mux := http.NewServeMux()
@@ -681,11 +692,16 @@ func Admin(health *Health, metrics, console http.Handler) http.Handler {
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-		defer cancel()
-		st := health.Check(ctx)
+		var st HealthStatus
+		if health.Stopping() {
+			st = health.Status() // at once: no store call while shutting down
+		} else {
+			ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+			st = health.Check(ctx)
+			cancel()
+		}
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-		if !st.Reachable {
+		if !st.Ready() {
 			w.WriteHeader(http.StatusServiceUnavailable)
 		}
 		io.WriteString(w, st.String())
@@ -702,19 +718,87 @@ func LoopbackByDefault(addr string) string {
 	return addr
 }
 
-// Servers runs HTTP servers with the same limits, and shuts them down
-// together: `idem proxy` and `idem demo` serve through it. The zero value
-// uses the default Timeouts and slog.Default().
+// Stop is a graceful shutdown's one deadline: it starts when the shutdown
+// begins (the first signal), and each step of the shutdown gets what the
+// steps before it left of it: the servers' drain of the requests in flight,
+// then the engine's close (the requests still running settle, the journal
+// lands). The zero value lasts [DefaultShutdownTimeout].
+type Stop struct {
+	// Timeout is how long the whole shutdown may take. Defaults to
+	// [DefaultShutdownTimeout].
+	Timeout time.Duration
+
+	once   sync.Once
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// Begin starts the deadline, the first time it is called, and returns a
+// context that ends at it.
+func (s *Stop) Begin() context.Context {
+	s.once.Do(func() {
+		s.ctx, s.cancel = context.WithTimeout(context.Background(), cmp.Or(s.Timeout, DefaultShutdownTimeout))
+	})
+	return s.ctx
+}
+
+// Release releases the deadline's timer, once the shutdown is over.
+func (s *Stop) Release() {
+	s.Begin()
+	s.cancel()
+}
+
+// ErrCutShort is what a shutdown returns when its deadline came while
+// requests were still running: their records stay in progress until their
+// lease runs out, then they are UNKNOWN, for the reconciler.
+var ErrCutShort = errors.New("the shutdown timeout ran out while requests were still running (their records stay in progress, then UNKNOWN for the reconciler)")
+
+// The order in which [Servers] stop: a tier stops accepting only once the
+// tiers before it have drained.
+const (
+	tierFront   = iota // what clients call: the proxied API, the demo's API
+	tierBackend        // what the front calls (the demo's simulated acquirer)
+	tierAdmin          // probes, metrics and the console: last, so probes see the unready state throughout
+	tiers
+)
+
+// Servers runs HTTP servers with the same limits, and shuts them down in
+// order: `idem proxy` and `idem demo` serve through it. The zero value uses
+// the default Timeouts and slog.Default().
 type Servers struct {
 	Timeouts Timeouts
 	Log      *slog.Logger
-	servers  []*http.Server
-	errs     chan error
+	// OnStop, when set, is called once as the shutdown begins, before any
+	// server stops accepting: it makes /readyz say not ready
+	// ([Health.SetStopping]).
+	OnStop func()
+
+	servers [tiers][]*http.Server
+	errs    chan error
+	stopped sync.Once
 }
 
 // Listen serves h on addr in the background and returns the address it
-// listens on (addr may have port 0).
+// listens on (addr may have port 0). The servers it starts are the ones
+// clients call: at shutdown they stop accepting together, first, and drain.
 func (s *Servers) Listen(addr string, h http.Handler) (string, error) {
+	return s.listen(tierFront, addr, h)
+}
+
+// ListenBackend is [Servers.Listen] for a server the front ones call (the
+// demo's simulated acquirer): it keeps serving until they have drained.
+func (s *Servers) ListenBackend(addr string, h http.Handler) (string, error) {
+	return s.listen(tierBackend, addr, h)
+}
+
+// ListenAdmin is [Servers.Listen] for the admin listener (/healthz,
+// /readyz, /metrics, the console): it stops last, so that probes see the
+// process unready while the others drain.
+func (s *Servers) ListenAdmin(addr string, h http.Handler) (string, error) {
+	return s.listen(tierAdmin, addr, h)
+}
+
+func (s *Servers) listen(tier int, addr string, h http.Handler) (string, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", err
@@ -723,7 +807,7 @@ func (s *Servers) Listen(addr string, h http.Handler) (string, error) {
 		s.errs = make(chan error, 8)
 	}
 	srv := s.Timeouts.Server(h, cmp.Or(s.Log, slog.Default()))
-	s.servers = append(s.servers, srv)
+	s.servers[tier] = append(s.servers[tier], srv)
 	go func() {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			s.errs <- err
@@ -732,50 +816,81 @@ func (s *Servers) Listen(addr string, h http.Handler) (string, error) {
 	return ln.Addr().String(), nil
 }
 
-// Run waits until ctx ends or a server fails, then shuts every server down,
-// letting requests in flight finish within timeout (their outcomes are
-// stored); it returns the failure, or what the shutdown met.
-func (s *Servers) Run(ctx context.Context, timeout time.Duration) error {
+// Run waits until ctx ends or a server fails, then begins stop and shuts
+// every server down within it, letting requests in flight finish (their
+// outcomes are stored); it returns the failure, or what the shutdown met
+// ([ErrCutShort] when its deadline came first).
+func (s *Servers) Run(ctx context.Context, stop *Stop) error {
 	var failed error
 	select {
 	case failed = <-s.errs:
 	case <-ctx.Done():
 	}
-	return errors.Join(failed, s.Shutdown(timeout))
+	return errors.Join(failed, s.Shutdown(stop.Begin()))
 }
 
-// Shutdown shuts every server down, letting requests in flight finish
-// within timeout.
-func (s *Servers) Shutdown(timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	var first error
-	for _, srv := range s.servers {
-		if err := srv.Shutdown(ctx); err != nil && first == nil {
-			first = err
+// Shutdown calls OnStop, then shuts the servers down tier by tier (see
+// [Servers.Listen]): the servers of a tier stop accepting together, and
+// their requests in flight finish, until ctx ends. It returns [ErrCutShort]
+// when ctx ended with requests still in flight.
+func (s *Servers) Shutdown(ctx context.Context) error {
+	s.stopped.Do(func() {
+		if s.OnStop != nil {
+			s.OnStop()
 		}
+	})
+	var errs []error
+	for _, tier := range s.servers {
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		for _, srv := range tier {
+			wg.Go(func() {
+				if err := srv.Shutdown(ctx); err != nil {
+					if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+						err = ErrCutShort
+					}
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
 	}
-	return first
+	if slices.Contains(errs, ErrCutShort) {
+		return ErrCutShort
+	}
+	return errors.Join(errs...)
 }
 
 // Serve runs the proxy (and the admin listener, when configured) until ctx
-// is cancelled, then shuts down gracefully: in-flight requests finish and
-// store their outcome. ready, when not nil, receives the proxied address once
-// listening. The engine is the caller's to close.
-func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, log *slog.Logger, hooks Hooks, ready func(addr, admin string)) error {
+// is cancelled, then shuts down gracefully within stop (nil: a deadline of
+// cfg.ShutdownTimeout of its own): /readyz says not ready at once, the
+// proxied listener stops accepting and its in-flight requests finish and
+// store their outcome, then the admin listener stops. It returns
+// [ErrCutShort] when the deadline came first. ready, when not nil, receives
+// the proxied address once listening. The engine is the caller's to close,
+// within what is left of stop.
+func Serve(ctx context.Context, stop *Stop, cfg Config, eng *idem.Engine, health *Health, log *slog.Logger, hooks Hooks, ready func(addr, admin string)) error {
 	h, err := Handler(cfg, eng, log, hooks)
 	if err != nil {
 		return err
 	}
-	servers := &Servers{Timeouts: cfg.Timeouts, Log: log}
+	if stop == nil {
+		stop = &Stop{Timeout: cfg.ShutdownTimeout}
+		defer stop.Release()
+	}
+	servers := &Servers{Timeouts: cfg.Timeouts, Log: log, OnStop: health.SetStopping}
 	addr, err := servers.Listen(cmp.Or(cfg.Listen, DefaultListen), h)
 	if err != nil {
 		return err
 	}
 	adminAddr := ""
 	if cfg.AdminListen != "" {
-		if adminAddr, err = servers.Listen(LoopbackByDefault(cfg.AdminListen), Admin(health, hooks.Metrics, hooks.Console)); err != nil {
-			servers.Shutdown(0)
+		if adminAddr, err = servers.ListenAdmin(LoopbackByDefault(cfg.AdminListen), Admin(health, hooks.Metrics, hooks.Console)); err != nil {
+			done, cancel := context.WithCancel(context.Background())
+			cancel()
+			servers.Shutdown(done)
 			return err
 		}
 	}
@@ -793,7 +908,17 @@ func Serve(ctx context.Context, cfg Config, eng *idem.Engine, health *Health, lo
 	if ready != nil {
 		ready(addr, adminAddr)
 	}
-	<-ctx.Done()
-	log.Info("shutting down: letting in-flight requests finish")
-	return servers.Run(ctx, cmp.Or(cfg.ShutdownTimeout, DefaultShutdownTimeout))
+	var failed error
+	select {
+	case failed = <-servers.errs:
+	case <-ctx.Done():
+	}
+	// One deadline from here: /readyz says not ready at once (OnStop), the
+	// proxied listener stops accepting and its requests in flight finish,
+	// the admin listener goes last; what is left is the caller's, to close
+	// the engine.
+	deadline := stop.Begin()
+	health.SetStopping() // before a word is said of it: whoever reads the next line sees /readyz unready
+	log.Info("shutting down: /readyz says not ready, in-flight requests finish", "within", cmp.Or(stop.Timeout, DefaultShutdownTimeout))
+	return errors.Join(failed, servers.Shutdown(deadline))
 }

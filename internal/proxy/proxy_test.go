@@ -460,7 +460,7 @@ func TestGracefulShutdown(t *testing.T) {
 	addr := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- proxy.Serve(ctx, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, nil, quiet, proxy.Hooks{},
+		done <- proxy.Serve(ctx, nil, proxy.Config{Listen: "127.0.0.1:0", Upstream: upstream.URL}, eng, nil, quiet, proxy.Hooks{},
 			func(a, _ string) { addr <- a })
 	}()
 	url := "http://" + wait.Recv(t, addr, 10*time.Second, "the proxy to listen") + "/pay"

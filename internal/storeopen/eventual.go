@@ -21,15 +21,34 @@ import (
 // tried again, at most.
 const reopenEvery = time.Second
 
+// Bounds on an attempt to open a store whose server may not answer (one that
+// accepts connections and never answers: a hung server, a pooler whose
+// server is down; PostgreSQL's driver has no connect timeout of its own).
+// The first attempt holds the start of the listeners, so it is short: past
+// it the store opens in the background. A later attempt runs in the
+// background while calls fail fast, so it may take longer (a migration
+// that steps aside for traffic).
+const (
+	firstOpenTimeout = 5 * time.Second
+	reopenTimeout    = 30 * time.Second
+)
+
 // OpenEventually is [Open] for a long-running server: a store whose server
-// cannot be reached yet does not fail it. Every call on such a store fails
-// with [idem.ErrUnavailable] (so requests fail closed and /readyz says not
-// ready) until the store opens, which the next call after a pause tries
-// again. A DSN that is wrong fails at once, as with Open: one that does not
-// parse, and one the server or the file system refuses for good (see
+// cannot be reached yet, or does not answer within firstOpenTimeout, does
+// not fail it. Every call on such a store fails at once with
+// [idem.ErrUnavailable] (so requests fail closed and /readyz says not
+// ready) until the store opens, which a call after a pause starts again in
+// the background (one attempt at a time, each bounded by reopenTimeout). A
+// DSN that is wrong fails at once, as with Open: one that does not parse,
+// and one the server or the file system refuses for good (see
 // [misconfigured]), though its store calls it unavailable.
 func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
-	opened, err := Open(ctx, dsn)
+	first, cancel := context.WithTimeout(ctx, firstOpenTimeout)
+	opened, err := Open(first, dsn)
+	if err != nil && errors.Is(first.Err(), context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, idem.ErrUnavailable) {
+		err = fmt.Errorf("%w: the store did not answer within %v: %w", idem.ErrUnavailable, firstOpenTimeout, err)
+	}
+	cancel()
 	if err != nil && (!errors.Is(err, idem.ErrUnavailable) || misconfigured(Kind(dsn), err)) {
 		return nil, err
 	}
@@ -87,15 +106,19 @@ func misconfigured(kind string, err error) bool {
 	return false
 }
 
-// eventual is a store that opens once its server answers.
+// eventual is a store that opens once its server answers. Its calls never
+// wait for an attempt to open it: they fail as unavailable while it is not
+// open, and the attempts run in the background.
 type eventual struct {
 	dsn     string
 	maxBody int
 
 	mu      sync.Mutex
 	opened  *Opened
-	last    time.Time
-	lastErr error
+	opening bool      // an attempt runs in the background
+	closed  bool      // Close was called: no more attempts, and a late one is closed
+	last    time.Time // when the last attempt began
+	lastErr error     // why it failed, wrapping idem.ErrUnavailable
 }
 
 var (
@@ -104,33 +127,47 @@ var (
 	_ store.DurabilityReporter = (*eventual)(nil)
 )
 
-// store returns the open store, opening it when the pause since the last
-// try is over.
-func (e *eventual) store(ctx context.Context) (idem.Store, error) {
+// store returns the open store or, while it is not open, the last attempt's
+// error at once, starting a new attempt in the background when none runs
+// and the pause since the last one is over.
+func (e *eventual) store(context.Context) (*Opened, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.opened != nil {
-		return e.opened.Store, nil
+		return e.opened, nil
 	}
-	if time.Since(e.last) < reopenEvery {
-		return nil, e.lastErr
+	if !e.opening && !e.closed && time.Since(e.last) >= reopenEvery {
+		e.opening, e.last = true, time.Now()
+		go e.open()
 	}
-	e.last = time.Now()
+	return nil, e.lastErr
+}
+
+// open makes one attempt to open the store, out of every caller's way.
+func (e *eventual) open() {
+	ctx, cancel := context.WithTimeout(context.Background(), reopenTimeout)
 	opened, err := Open(ctx, e.dsn)
-	if err != nil {
+	cancel()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.opening = false
+	switch {
+	case err != nil:
 		if !errors.Is(err, idem.ErrUnavailable) {
 			err = fmt.Errorf("%w: %w", idem.ErrUnavailable, err)
 		}
 		e.lastErr = err
-		return nil, err
+	case e.closed:
+		opened.Close()
+	default:
+		e.opened = opened
 	}
-	e.opened = opened
-	return opened.Store, nil
 }
 
 func (e *eventual) close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.closed = true
 	if e.opened != nil {
 		return e.opened.Close()
 	}
@@ -139,89 +176,90 @@ func (e *eventual) close() error {
 
 // newNotifier starts the open store's notifier, once the store is open.
 func (e *eventual) newNotifier(ctx context.Context) (idem.Notifier, error) {
-	if _, err := e.store(ctx); err != nil {
+	opened, err := e.store(ctx)
+	if err != nil {
 		return nil, err
 	}
-	if e.opened.NewNotifier == nil {
+	if opened.NewNotifier == nil {
 		return nil, fmt.Errorf("%w: this store has no notifier", idem.ErrInvalid)
 	}
-	return e.opened.NewNotifier(ctx)
+	return opened.NewNotifier(ctx)
 }
 
 // MaxBody implements [store.BodyLimiter]: the limit of the store's kind.
 func (e *eventual) MaxBody() int { return e.maxBody }
 
 func (e *eventual) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return idem.Record{}, err
 	}
-	return s.Acquire(ctx, p)
+	return o.Store.Acquire(ctx, p)
 }
 
 func (e *eventual) Renew(ctx context.Context, p store.RenewParams) error {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return err
 	}
-	return s.Renew(ctx, p)
+	return o.Store.Renew(ctx, p)
 }
 
 func (e *eventual) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return err
 	}
-	return s.Checkpoint(ctx, p)
+	return o.Store.Checkpoint(ctx, p)
 }
 
 func (e *eventual) Finish(ctx context.Context, p idem.FinishParams) error {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return err
 	}
-	return s.Finish(ctx, p)
+	return o.Store.Finish(ctx, p)
 }
 
 func (e *eventual) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return idem.Record{}, err
 	}
-	return s.Get(ctx, p)
+	return o.Store.Get(ctx, p)
 }
 
 func (e *eventual) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResult, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return idem.ScanResult{}, err
 	}
-	return s.Scan(ctx, p)
+	return o.Store.Scan(ctx, p)
 }
 
 func (e *eventual) List(ctx context.Context, p store.ListParams) (idem.ScanResult, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return idem.ScanResult{}, err
 	}
-	return s.List(ctx, p)
+	return o.Store.List(ctx, p)
 }
 
 func (e *eventual) Prune(ctx context.Context, p store.PruneParams) (int, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return 0, err
 	}
-	return s.Prune(ctx, p)
+	return o.Store.Prune(ctx, p)
 }
 
 // Durability implements [store.DurabilityReporter] once the store is open.
 func (e *eventual) Durability(ctx context.Context) (store.Durability, error) {
-	s, err := e.store(ctx)
+	o, err := e.store(ctx)
 	if err != nil {
 		return store.Durability{}, err
 	}
-	r, ok := s.(store.DurabilityReporter)
+	r, ok := o.Store.(store.DurabilityReporter)
 	if !ok {
 		return store.Durability{Detail: "unknown"}, nil
 	}

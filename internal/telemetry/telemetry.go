@@ -98,8 +98,18 @@ func New(ctx context.Context, getenv func(string) string) (*Telemetry, error) {
 	return t, nil
 }
 
-// Shutdown flushes the traces.
-func (t *Telemetry) Shutdown(ctx context.Context) error { return t.shutdown(ctx) }
+// FlushTimeout bounds the flushing of the traces at exit: a collector that
+// accepts connections and never answers must not hold the process past its
+// shutdown for long (spans not flushed by then are dropped).
+const FlushTimeout = 3 * time.Second
+
+// Shutdown flushes the traces, for at most FlushTimeout (less when ctx ends
+// sooner).
+func (t *Telemetry) Shutdown(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, FlushTimeout)
+	defer cancel()
+	return t.shutdown(ctx)
+}
 
 // Metrics serves the Prometheus metrics.
 func (t *Telemetry) Metrics() http.Handler {
