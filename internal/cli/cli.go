@@ -146,7 +146,7 @@ func readConfigFile(path string, cfg *proxy.Config) (fileRoutes, error) {
 	return routes, nil
 }
 
-func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
+func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) (code int) {
 	cfg, log, err := loadProxyConfig(args, env, stdout, stderr)
 	switch {
 	case errors.Is(err, flag.ErrHelp) || errors.Is(err, errReported):
@@ -188,19 +188,23 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
-	var served error
-	defer func() { closeEngine(stop.Begin(), eng, served, log) }()
+	defer func() {
+		if !closeEngine(stop.Begin(), eng, log) && code == 0 {
+			code = 1 // work left: the last log line says what
+		}
+	}()
 	health := watchHealth(ctx, eng, opened, tel, log)
 	con, err := newConsole(eng, tel, cfg.AdminToken, cfg.ConsoleReadOnly, cfg.ConsoleMask, cfg.AuditLog, log)
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics(), Console: con}
-	switch served = proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, nil); {
-	case errors.Is(served, proxy.ErrCutShort):
-		return 1 // closeEngine says what is left
-	case served != nil:
-		return fail(stderr, "idem proxy", served)
+	served := proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, nil)
+	if errors.Is(served, proxy.ErrCutShort) {
+		log.Warn(proxy.ErrCutShort.Error())
+	}
+	if err := proxy.Failure(served); err != nil {
+		return fail(stderr, "idem proxy", err)
 	}
 	return 0
 }
@@ -232,18 +236,14 @@ func watchHealth(ctx context.Context, eng *idem.Engine, opened *storeopen.Opened
 
 // closeEngine closes the engine within what is left of the shutdown's
 // deadline (ctx): the requests still running settle, then what waits in the
-// journal is stored. It says what is left, with drained, what the servers'
-// drain met ([proxy.ErrCutShort]: requests were still running when the
-// deadline came): that every outcome is stored only when nothing is.
-func closeEngine(ctx context.Context, eng *idem.Engine, drained error, log *slog.Logger) {
-	var cut error
-	if errors.Is(drained, proxy.ErrCutShort) {
-		cut = proxy.ErrCutShort
-	}
-	if err := errors.Join(cut, eng.Close(ctx)); err != nil {
+// journal is stored. It says what is left, and reports whether nothing is:
+// every outcome stored.
+func closeEngine(ctx context.Context, eng *idem.Engine, log *slog.Logger) bool {
+	if err := eng.Close(ctx); err != nil {
 		log.Error("stopped with work left: requests still running stay in progress, then UNKNOWN for the reconciler; "+
 			"outcomes the store has not taken wait in the journal directory for the next start (without one, they are lost)", "err", err)
-		return
+		return false
 	}
 	log.Info("stopped: every outcome is stored")
+	return true
 }

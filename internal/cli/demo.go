@@ -21,7 +21,7 @@ import (
 
 // runDemo serves the reference payments service, a simulated card acquirer
 // (unless --acquirer names one) and a reconciler, on loopback.
-func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) int {
+func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writer) (code int) {
 	fs := newFlags("demo")
 	listen := fs.String("listen", "127.0.0.1:8080", "`address` of the payments API [$IDEM_LISTEN]")
 	acquirerURL := fs.String("acquirer", "", "`URL` of a card acquirer to use instead of starting the simulated one")
@@ -81,8 +81,11 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	// the admin listener; the engine's close gets what is left.
 	stop := &proxy.Stop{}
 	defer stop.Release()
-	var served error
-	defer func() { closeEngine(stop.Begin(), eng, served, log) }()
+	defer func() {
+		if !closeEngine(stop.Begin(), eng, log) && code == 0 {
+			code = 1 // work left: the last log line says what
+		}
+	}()
 	servers := &proxy.Servers{Log: log}
 	defer func() { servers.Shutdown(stop.Begin()) }() // when it fails before Run
 	serve := func(listen func(string, http.Handler) (string, error), addr string, h http.Handler) (string, error) {
@@ -138,11 +141,12 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, storeopen.Redact(*store))
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
-	switch served = servers.Run(ctx, stop); {
-	case errors.Is(served, proxy.ErrCutShort):
-		return 1 // closeEngine says what is left
-	case served != nil:
-		return failed(served)
+	served := servers.Run(ctx, stop)
+	if errors.Is(served, proxy.ErrCutShort) {
+		log.Warn(proxy.ErrCutShort.Error())
+	}
+	if err := proxy.Failure(served); err != nil {
+		return failed(err)
 	}
 	return 0
 }

@@ -38,6 +38,11 @@ func TestKubernetesExample(t *testing.T) {
 		}
 		Readiness probe `yaml:"readinessProbe"`
 		Liveness  probe `yaml:"livenessProbe"`
+		Lifecycle struct {
+			PreStop struct {
+				Sleep struct{ Seconds int }
+			} `yaml:"preStop"`
+		}
 	}
 	var (
 		config string
@@ -98,8 +103,15 @@ func TestKubernetesExample(t *testing.T) {
 			t.Errorf("port %s is %q; the configuration listens on %s", name, ports[name], addr)
 		}
 	}
-	if time.Duration(grace)*time.Second <= cfg.ShutdownTimeout {
-		t.Errorf("terminationGracePeriodSeconds %d is not above shutdown_timeout %v", grace, cfg.ShutdownTimeout)
+	// The proxy stops accepting at SIGTERM: the Service must have dropped
+	// the pod by then (a preStop sleep), and the grace period must hold the
+	// sleep and the whole shutdown.
+	sleep := time.Duration(c.Lifecycle.PreStop.Sleep.Seconds) * time.Second
+	if sleep <= 0 {
+		t.Errorf("the idem container has no preStop sleep: connections are refused while endpoints update")
+	}
+	if time.Duration(grace)*time.Second <= sleep+cfg.ShutdownTimeout {
+		t.Errorf("terminationGracePeriodSeconds %d is not above the preStop sleep %v plus shutdown_timeout %v", grace, sleep, cfg.ShutdownTimeout)
 	}
 }
 

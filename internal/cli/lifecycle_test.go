@@ -3,6 +3,7 @@ package cli_test
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"errors"
 	"io"
 	"net"
@@ -483,5 +484,88 @@ func TestStoppingDemoKeepsItsAcquirerUntilTheAPIDrains(t *testing.T) {
 	}
 	if err := d.cmd.Wait(); err != nil || !d.logs.has("stopped: every outcome is stored") {
 		t.Fatalf("exit: %v; logs %q", err, d.logs.lines)
+	}
+}
+
+// TestWorkLeftExitsNonZero: a stop that leaves an outcome the store has
+// not taken logs "stopped with work left" and exits 1, for a supervisor or
+// a deploy script to see. Sequence: a request held upstream; another
+// process takes SQLite's write lock; the upstream answers, the outcome
+// waits in the journal; SIGTERM with shutdown_timeout 2s: the drain ends
+// at once, the journal cannot land. (The exit status was 0: only a drain
+// cut short made it 1.)
+func TestWorkLeftExitsNonZero(t *testing.T) {
+	upstream, started, release := heldUpstream(t)
+	dbPath := filepath.Join(t.TempDir(), "s.db")
+	p := runProxy(t, "--upstream", upstream, "--store", "sqlite:"+dbPath, "--store-timeout", "500ms", "--shutdown-timeout", "2s")
+	answer := make(chan int, 1)
+	go func() { code, _ := postBounded(p.url+"/pay", "left", 30*time.Second); answer <- code }()
+	wait.Recv(t, started, 10*time.Second, "the upstream to take the request")
+	db, err := sql.Open("sqlite", "file:"+dbPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	c, err := db.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	defer c.ExecContext(context.Background(), "ROLLBACK")
+	release()
+	if code := wait.Recv(t, answer, 20*time.Second, "the answer"); code != http.StatusCreated {
+		t.Fatalf("the client's answer, its outcome in the journal: %d; want 201", code)
+	}
+	wait.Until(t, 10*time.Second, "the outcome to wait in the journal", func() bool { return p.logs.has("waits in the journal") })
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	err = exited(t, p, 20*time.Second)
+	var exit *exec.ExitError
+	if !p.logs.has("stopped with work left") || !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("a stop with an outcome left in the journal: exit %v, logs %q; want status 1 and the work left said", err, p.logs.lines)
+	}
+}
+
+// TestOpenStreamAtStopIsNotWorkLeft: a connection still open when the
+// stop's deadline comes is closed, and that alone is no outcome at risk.
+// Sequence: an unkeyed GET whose upstream streams (text/event-stream,
+// passed through); SIGTERM with shutdown_timeout 2s; the stream is cut at
+// the deadline; the proxy says every outcome is stored and exits 0. (It
+// exited 1, saying requests stayed in progress, for a record that did not
+// exist.)
+func TestOpenStreamAtStopIsNotWorkLeft(t *testing.T) {
+	done := make(chan struct{})
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		io.WriteString(w, "data: hello\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-done:
+		case <-r.Context().Done():
+		}
+	}))
+	defer up.Close()
+	defer close(done)
+	p := runProxy(t, "--upstream", up.URL, "--store", "memory:", "--shutdown-timeout", "2s")
+	client := &http.Client{Timeout: 30 * time.Second}
+	resp, err := client.Get(p.url + "/events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, err := io.ReadFull(resp.Body, make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	err = exited(t, p, 20*time.Second)
+	if err != nil || !p.logs.has("stopped: every outcome is stored") {
+		t.Fatalf("a stop that closed an unkeyed stream: exit %v, logs %q; want status 0, every outcome stored", err, p.logs.lines)
 	}
 }

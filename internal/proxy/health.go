@@ -55,9 +55,10 @@ type HealthStatus struct {
 func (s HealthStatus) Ready() bool { return s.Reachable && !s.Stopping }
 
 // SetStopping marks the process as shutting down: from now on /readyz
-// answers 503 at once, without asking the store, so that a load balancer
-// stops sending requests while those in flight drain. A nil Health does
-// nothing.
+// answers 503 at once, without asking the store, so that probes see a
+// draining process as not ready. (The proxied listener stops accepting at
+// the same moment: a load balancer must stop sending before the signal, as
+// Kubernetes' preStop hook lets it.) A nil Health does nothing.
 func (h *Health) SetStopping() {
 	if h != nil {
 		h.stopping.Store(true)

@@ -748,10 +748,29 @@ func (s *Stop) Release() {
 	s.cancel()
 }
 
-// ErrCutShort is what a shutdown returns when its deadline came while
-// requests were still running: their records stay in progress until their
-// lease runs out, then they are UNKNOWN, for the reconciler.
-var ErrCutShort = errors.New("the shutdown timeout ran out while requests were still running (their records stay in progress, then UNKNOWN for the reconciler)")
+// ErrCutShort is what a shutdown returns when its deadline came with
+// connections still open, which it then closed: a request still running,
+// or a stream. Whether an outcome was at stake is the engine's to say
+// ([idem.Engine.Close] counts the requests still running).
+var ErrCutShort = errors.New("the shutdown timeout ran out with connections still open: they were closed")
+
+// Failure returns err without [ErrCutShort]: what went wrong, besides a
+// shutdown whose deadline closed connections still open.
+func Failure(err error) error {
+	if err == ErrCutShort {
+		return nil
+	}
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		var rest []error
+		for _, e := range joined.Unwrap() {
+			if f := Failure(e); f != nil {
+				rest = append(rest, f)
+			}
+		}
+		return errors.Join(rest...)
+	}
+	return err
+}
 
 // The order in which [Servers] stop: a tier stops accepting only once the
 // tiers before it have drained.
@@ -857,8 +876,8 @@ func (s *Servers) Shutdown(ctx context.Context) error {
 		}
 		wg.Wait()
 	}
-	if slices.Contains(errs, ErrCutShort) {
-		return ErrCutShort
+	if slices.Contains(errs, ErrCutShort) { // once, whichever servers it cut
+		errs = append(slices.DeleteFunc(errs, func(err error) bool { return err == ErrCutShort }), ErrCutShort)
 	}
 	return errors.Join(errs...)
 }
