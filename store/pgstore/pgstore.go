@@ -53,7 +53,9 @@
 // pipeline in one implicit transaction, in the order of their scope and key
 // (so that batches lock records in one order and never deadlock). A
 // statement that fails is reported to its caller and the rest of its batch
-// runs again without it. Up to half the pool's connections carry batches at
+// runs again without it; a batch begins with one more statement, which
+// bounds how long its writes wait for a row another transaction holds
+// (batchLockTimeoutSQL). Up to half the pool's connections carry batches at
 // once; the rest serve reads, scans and listeners.
 //
 //	acquire        1  (INSERT … ON CONFLICT DO UPDATE … WHERE, in a CTE, RETURNING)
