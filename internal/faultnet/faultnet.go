@@ -67,8 +67,15 @@ type link struct {
 }
 
 // close closes both sides, once; it reports whether this call closed them.
-func (l *link) close() (closed bool) {
+func (l *link) close() bool { return l.cut(nil) }
+
+// cut is close that, when this call closes the link, counts it in counter
+// first: whoever sees the connection end sees it counted.
+func (l *link) cut(counter *atomic.Int64) (closed bool) {
 	l.once.Do(func() {
+		if counter != nil {
+			counter.Add(1)
+		}
 		l.client.Close()
 		l.server.Close()
 		closed = true
@@ -126,8 +133,7 @@ func (p *Proxy) CutAll() int {
 	p.mu.Unlock()
 	n := 0
 	for _, l := range links {
-		if l.close() {
-			p.cut.Add(1)
+		if l.cut(&p.cut) {
 			n++
 		}
 	}
@@ -257,9 +263,7 @@ func (p *Proxy) pipe(l *link, dst, src net.Conn, reply bool) {
 				time.Sleep(latency)
 			}
 			if drop {
-				if l.close() {
-					p.cut.Add(1)
-				}
+				l.cut(&p.cut)
 				return
 			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {
