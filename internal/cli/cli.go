@@ -200,9 +200,6 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	}
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics(), Console: con}
 	served := proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, nil)
-	if errors.Is(served, proxy.ErrCutShort) {
-		log.Warn(proxy.ErrCutShort.Error())
-	}
 	if err := proxy.Failure(served); err != nil {
 		return fail(stderr, "idem proxy", err)
 	}

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"crypto/rand"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -142,9 +141,6 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	fmt.Fprintf(stdout, "payments API listening on %s (store %s)\n", api, storeopen.Redact(*store))
 	fmt.Fprintf(stdout, "try: curl -i -X POST %s/v1/charges -H 'Authorization: Bearer sk_demo' -H 'Idempotency-Key: order-1' -d '{\"amount\":1000,\"currency\":\"eur\",\"customer\":\"cus_1\"}'\n", api)
 	served := servers.Run(ctx, stop)
-	if errors.Is(served, proxy.ErrCutShort) {
-		log.Warn(proxy.ErrCutShort.Error())
-	}
 	if err := proxy.Failure(served); err != nil {
 		return failed(err)
 	}

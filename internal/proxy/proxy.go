@@ -792,9 +792,10 @@ type Servers struct {
 	// ([Health.SetStopping]).
 	OnStop func()
 
-	servers [tiers][]*http.Server
-	errs    chan error
-	stopped sync.Once
+	servers  [tiers][]*http.Server
+	errs     chan error
+	stopped  sync.Once
+	shutdown error // what the shutdown met
 }
 
 // Listen serves h on addr in the background and returns the address it
@@ -851,33 +852,45 @@ func (s *Servers) Run(ctx context.Context, stop *Stop) error {
 // Shutdown calls OnStop, then shuts the servers down tier by tier (see
 // [Servers.Listen]): the servers of a tier stop accepting together, and
 // their requests in flight finish, until ctx ends. It returns [ErrCutShort]
-// when ctx ended with requests still in flight.
+// (and logs it) when ctx ended with connections still open. Only the first
+// call shuts down; later ones return what it met.
 func (s *Servers) Shutdown(ctx context.Context) error {
 	s.stopped.Do(func() {
 		if s.OnStop != nil {
 			s.OnStop()
 		}
+		s.shutdown = s.shutTiers(ctx)
 	})
-	var errs []error
+	return s.shutdown
+}
+
+// shutTiers is Shutdown's work, done once.
+func (s *Servers) shutTiers(ctx context.Context) error {
+	var (
+		mu   sync.Mutex
+		errs []error
+		cut  bool // once, whichever servers it cut
+	)
 	for _, tier := range s.servers {
-		var mu sync.Mutex
 		var wg sync.WaitGroup
 		for _, srv := range tier {
 			wg.Go(func() {
-				if err := srv.Shutdown(ctx); err != nil {
-					if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
-						err = ErrCutShort
-					}
-					mu.Lock()
+				err := srv.Shutdown(ctx)
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
+					cut = true
+				case err != nil:
 					errs = append(errs, err)
-					mu.Unlock()
 				}
 			})
 		}
 		wg.Wait()
 	}
-	if slices.Contains(errs, ErrCutShort) { // once, whichever servers it cut
-		errs = append(slices.DeleteFunc(errs, func(err error) bool { return err == ErrCutShort }), ErrCutShort)
+	if cut {
+		cmp.Or(s.Log, slog.Default()).Warn(ErrCutShort.Error())
+		errs = append(errs, ErrCutShort)
 	}
 	return errors.Join(errs...)
 }
@@ -899,7 +912,7 @@ func Serve(ctx context.Context, stop *Stop, cfg Config, eng *idem.Engine, health
 		stop = &Stop{Timeout: cfg.ShutdownTimeout}
 		defer stop.Release()
 	}
-	servers := &Servers{Timeouts: cfg.Timeouts, Log: log, OnStop: health.SetStopping}
+	servers := &Servers{Timeouts: cfg.Timeouts, Log: log}
 	addr, err := servers.Listen(cmp.Or(cfg.Listen, DefaultListen), h)
 	if err != nil {
 		return err
@@ -927,17 +940,13 @@ func Serve(ctx context.Context, stop *Stop, cfg Config, eng *idem.Engine, health
 	if ready != nil {
 		ready(addr, adminAddr)
 	}
-	var failed error
-	select {
-	case failed = <-servers.errs:
-	case <-ctx.Done():
+	// One deadline from the stop: /readyz says not ready at once (OnStop,
+	// before a word is said of it), the proxied listener stops accepting and
+	// its requests in flight finish, the admin listener goes last; what is
+	// left is the caller's, to close the engine.
+	servers.OnStop = func() {
+		health.SetStopping()
+		log.Info("shutting down: /readyz says not ready, in-flight requests finish", "within", cmp.Or(stop.Timeout, DefaultShutdownTimeout))
 	}
-	// One deadline from here: /readyz says not ready at once (OnStop), the
-	// proxied listener stops accepting and its requests in flight finish,
-	// the admin listener goes last; what is left is the caller's, to close
-	// the engine.
-	deadline := stop.Begin()
-	health.SetStopping() // before a word is said of it: whoever reads the next line sees /readyz unready
-	log.Info("shutting down: /readyz says not ready, in-flight requests finish", "within", cmp.Or(stop.Timeout, DefaultShutdownTimeout))
-	return errors.Join(failed, servers.Shutdown(deadline))
+	return servers.Run(ctx, stop)
 }

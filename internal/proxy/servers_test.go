@@ -120,10 +120,10 @@ func TestShutdownStopsTheFrontTogetherThenTheBackendThenTheAdmin(t *testing.T) {
 	}
 }
 
-// TestShutdownSaysWhenItsDeadlineCutsARequest: a request still running when
-// the shutdown's deadline comes is reported (ErrCutShort), so that nobody
-// claims every outcome is stored. Sequence: a request held; Shutdown with a
-// short deadline; it returns ErrCutShort.
+// TestShutdownSaysWhenItsDeadlineCutsARequest: a connection still open
+// when the shutdown's deadline comes is closed and reported (ErrCutShort);
+// whether an outcome was at stake is the engine's Close to say. Sequence: a
+// request held; Shutdown with a short deadline; it returns ErrCutShort.
 func TestShutdownSaysWhenItsDeadlineCutsARequest(t *testing.T) {
 	started, release := make(chan struct{}, 1), make(chan struct{})
 	defer close(release)

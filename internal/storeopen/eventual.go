@@ -130,7 +130,7 @@ var (
 // store returns the open store or, while it is not open, the last attempt's
 // error at once, starting a new attempt in the background when none runs
 // and the pause since the last one is over.
-func (e *eventual) store(context.Context) (*Opened, error) {
+func (e *eventual) store() (*Opened, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.opened != nil {
@@ -176,7 +176,7 @@ func (e *eventual) close() error {
 
 // newNotifier starts the open store's notifier, once the store is open.
 func (e *eventual) newNotifier(ctx context.Context) (idem.Notifier, error) {
-	opened, err := e.store(ctx)
+	opened, err := e.store()
 	if err != nil {
 		return nil, err
 	}
@@ -190,7 +190,7 @@ func (e *eventual) newNotifier(ctx context.Context) (idem.Notifier, error) {
 func (e *eventual) MaxBody() int { return e.maxBody }
 
 func (e *eventual) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return idem.Record{}, err
 	}
@@ -198,7 +198,7 @@ func (e *eventual) Acquire(ctx context.Context, p store.AcquireParams) (idem.Rec
 }
 
 func (e *eventual) Renew(ctx context.Context, p store.RenewParams) error {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return err
 	}
@@ -206,7 +206,7 @@ func (e *eventual) Renew(ctx context.Context, p store.RenewParams) error {
 }
 
 func (e *eventual) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return err
 	}
@@ -214,7 +214,7 @@ func (e *eventual) Checkpoint(ctx context.Context, p store.CheckpointParams) err
 }
 
 func (e *eventual) Finish(ctx context.Context, p idem.FinishParams) error {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return err
 	}
@@ -222,7 +222,7 @@ func (e *eventual) Finish(ctx context.Context, p idem.FinishParams) error {
 }
 
 func (e *eventual) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return idem.Record{}, err
 	}
@@ -230,7 +230,7 @@ func (e *eventual) Get(ctx context.Context, p store.GetParams) (idem.Record, err
 }
 
 func (e *eventual) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResult, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return idem.ScanResult{}, err
 	}
@@ -238,7 +238,7 @@ func (e *eventual) Scan(ctx context.Context, p store.ScanParams) (idem.ScanResul
 }
 
 func (e *eventual) List(ctx context.Context, p store.ListParams) (idem.ScanResult, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return idem.ScanResult{}, err
 	}
@@ -246,7 +246,7 @@ func (e *eventual) List(ctx context.Context, p store.ListParams) (idem.ScanResul
 }
 
 func (e *eventual) Prune(ctx context.Context, p store.PruneParams) (int, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return 0, err
 	}
@@ -255,7 +255,7 @@ func (e *eventual) Prune(ctx context.Context, p store.PruneParams) (int, error) 
 
 // Durability implements [store.DurabilityReporter] once the store is open.
 func (e *eventual) Durability(ctx context.Context) (store.Durability, error) {
-	o, err := e.store(ctx)
+	o, err := e.store()
 	if err != nil {
 		return store.Durability{}, err
 	}
