@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -69,6 +70,123 @@ func TestConformance(t *testing.T) {
 		s, _ := newStore(t)
 		return s
 	})
+}
+
+// TestConformanceOnReleasedLayout runs the suite on a records table created
+// by release 0.1.0's first migration, whose columns are in another order
+// than a table created now (see migrations/001_records.sql): the upgraded
+// store works on the tables it did not create.
+func TestConformanceOnReleasedLayout(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) idem.Store {
+		schema := releasedSchema(t)
+		s, err := pgstore.New(ctx, pgstore.Config{Pool: sharedPool(t), Schema: schema})
+		if err != nil {
+			t.Fatalf("New: %v", err)
+		}
+		return s
+	})
+}
+
+// releasedSchema returns a fresh schema as release 0.1.0 created it: its
+// first migration applied and recorded; New applies the others.
+func releasedSchema(t *testing.T) string {
+	t.Helper()
+	schema := newSchema(t)
+	v1, err := os.ReadFile("testdata/v0.1.0/001_records.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	quoted := pgx.Identifier{schema}.Sanitize()
+	for _, sql := range []string{
+		"CREATE SCHEMA " + quoted,
+		"CREATE TABLE " + table(schema, "migrations") + " (version integer PRIMARY KEY, applied timestamptz NOT NULL)",
+		strings.ReplaceAll(string(v1), "{{schema}}", quoted),
+		"INSERT INTO " + table(schema, "migrations") + " (version, applied) VALUES (1, now())",
+	} {
+		if _, err := sharedPool(t).Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	return schema
+}
+
+// TestCompleteLogsWhatItWrites reads the WAL record of a complete (with
+// pg_walinspect): a HOT update logs the new row's bytes between the prefix
+// and the suffix it shares with the old one, so the columns a complete
+// keeps (fingerprint, token, fence, lease, creation time) stay out of it
+// only when they come before the columns it writes. The record's bytes
+// beyond the stored response are compared with those of the same complete
+// on a table of release 0.1.0's order, where state came third.
+func TestCompleteLogsWhatItWrites(t *testing.T) {
+	pool := sharedPool(t)
+	if _, err := pool.Exec(ctx, "CREATE EXTENSION IF NOT EXISTS pg_walinspect"); err != nil {
+		t.Fatalf("pg_walinspect (in PostgreSQL's contrib, a superuser to create it): %v", err)
+	}
+	scope := strings.Repeat("5e", 32) // as long as httpidem.HashScope's
+	response := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
+		Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
+	stored, err := response.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// overhead is the length of the WAL record of one complete on a
+	// schema's records table, less the stored response's.
+	overhead := func(schema string) int {
+		t.Helper()
+		s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+		if err != nil {
+			t.Fatalf("New: %v", err)
+		}
+		const token = "3f1b8d6e-2c4a-4e7b-9a0d-5b6c7d8e9f01"
+		p := acquireParams("k", token, t0)
+		p.Scope = scope
+		mustAcquire(t, s, p)
+		var start, end, node string
+		if err := pool.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text, pg_relation_filenode($1::regclass)::text",
+			table(schema, "records")).Scan(&start, &node); err != nil {
+			t.Fatal(err)
+		}
+		f := completeParams("k", token, t0)
+		f.Scope, f.Response = scope, response
+		if err := s.Finish(ctx, f); err != nil {
+			t.Fatal(err)
+		}
+		if err := pool.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&end); err != nil {
+			t.Fatal(err)
+		}
+		// The records of other tests' writes are in the range too: only
+		// those on this table count.
+		rows, err := pool.Query(ctx, `SELECT record_type, record_length FROM pg_get_wal_records_info($1::pg_lsn, $2::pg_lsn)
+			WHERE resource_manager = 'Heap' AND block_ref LIKE '%/' || $3 || ' %'`, start, end, node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var kinds []string
+		n := 0
+		for rows.Next() {
+			var kind string
+			var length int
+			if err := rows.Scan(&kind, &length); err != nil {
+				t.Fatal(err)
+			}
+			kinds, n = append(kinds, kind), length
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if len(kinds) != 1 || kinds[0] != "HOT_UPDATE" {
+			t.Fatalf("the complete wrote %v to records, want one HOT_UPDATE", kinds)
+		}
+		return n - len(stored)
+	}
+	now, released := overhead(newSchema(t)), overhead(releasedSchema(t))
+	t.Logf("a complete's WAL record beyond its %d-byte response: %d B (release 0.1.0's order: %d B)", len(stored), now, released)
+	// Besides the record's headers (about 70 B), a complete logs its state,
+	// the update and expiry times and the response's length (about 40 B
+	// with their alignment); the fingerprint alone is 70 B.
+	if now > 128 {
+		t.Errorf("a complete logs %d B beyond its response, want at most 128: columns it keeps are in its WAL", now)
+	}
 }
 
 // TestConformanceInstances runs the two-instance cases on two stores in one
@@ -553,7 +671,7 @@ func TestMigrateUpgradesVersion1(t *testing.T) {
 	t.Parallel()
 	schema := newSchema(t)
 	pool := sharedPool(t)
-	v1, err := os.ReadFile("migrations/001_records.sql")
+	v1, err := os.ReadFile("testdata/v0.1.0/001_records.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1191,7 +1309,7 @@ func TestMigrationLetsTrafficThrough(t *testing.T) {
 	quoted := pgx.Identifier{schema}.Sanitize()
 	stmts := []string{"CREATE SCHEMA " + quoted,
 		"CREATE TABLE " + table(schema, "migrations") + " (version integer PRIMARY KEY, applied timestamptz NOT NULL)"}
-	for _, f := range []string{"migrations/001_records.sql", "migrations/002_checkpoints.sql"} {
+	for _, f := range []string{"testdata/v0.1.0/001_records.sql", "migrations/002_checkpoints.sql"} {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
