@@ -336,11 +336,24 @@ func Abandoned(rec idem.Record, now time.Time) bool {
 
 // Resolve settles one record by hand, as an operator who found out what
 // happened (idem keys resolve): res is what a resolver would have answered,
-// Completed with a response or Failed. It refuses a settled record
-// ([ErrSettled]) and, unless force, one that is not [Abandoned]
+// Completed with a response or Failed. rec is the record the operator
+// looked at; Resolve reads it again and judges what the store holds now,
+// since an owner renewing its lease keeps its token. It refuses a settled
+// record ([ErrSettled]) and, unless force, one that is not [Abandoned]
 // ([ErrLeaseRunning]), since its owner may yet store the true outcome.
-// [idem.ErrLeaseLost] means the record changed meanwhile (look again).
+// [idem.ErrLeaseLost] means the record is no longer the one rec describes
+// (another lease took it, or it was settled meanwhile): look again.
 func Resolve(ctx context.Context, eng *idem.Engine, rec idem.Record, res Resolution, force bool) error {
+	seen := rec
+	rec, err := eng.Get(ctx, seen.Scope, seen.Key)
+	switch {
+	case errors.Is(err, idem.ErrNotFound):
+		return fmt.Errorf("%w: the record is gone", idem.ErrLeaseLost)
+	case err != nil:
+		return err
+	case rec.Token != seen.Token || rec.Fence != seen.Fence:
+		return idem.ErrLeaseLost
+	}
 	switch {
 	case rec.State.Terminal():
 		return fmt.Errorf("%w (%s)", ErrSettled, rec.State)

@@ -382,6 +382,50 @@ func TestResolveLeavesTheOwnerItsGrace(t *testing.T) {
 	}
 }
 
+// TestResolveJudgesTheRecordAsItIsNow: the operator's copy of a record (from
+// a listing that took minutes to page through) shows a lease long ended,
+// but its owner has renewed it since, under the same token. Resolve judged
+// the copy and settled the record under the running owner: the next retry
+// ran the request a second time and the owner's outcome was refused. It
+// reads the record again and refuses; a record taken by another lease
+// since the copy is refused as changed.
+func TestResolveJudgesTheRecordAsItIsNow(t *testing.T) {
+	w := newWorld(t)
+	lease := w.begin(t, "k", false)
+	seen, err := w.eng.Get(ctx, "", "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 12 { // two minutes of renewals
+		w.clock.Advance(10 * time.Second)
+		if lease, err = w.eng.Renew(ctx, lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := reconcile.Resolve(ctx, w.eng, seen, reconcile.Resolution{Outcome: reconcile.Failed}, false); !errors.Is(err, reconcile.ErrLeaseRunning) {
+		t.Fatalf("Resolve of a record whose owner renews: %v; want ErrLeaseRunning", err)
+	}
+	if err := w.eng.Complete(ctx, lease, &idem.Response{Status: 201, Body: []byte("charged k")}); err != nil {
+		t.Fatalf("the owner's outcome: %v", err)
+	}
+	if out := w.decide(t, "k"); out.Decision != idem.Replay {
+		t.Fatalf("a retry: %v; want the owner's outcome replayed", out.Decision)
+	}
+	if err := reconcile.Resolve(ctx, w.eng, seen, reconcile.Resolution{Outcome: reconcile.Failed}, true); !errors.Is(err, reconcile.ErrSettled) {
+		t.Fatalf("Resolve, forced, of the settled record: %v; want ErrSettled", err)
+	}
+
+	// Taken over: the copy's lease ended, another took the key.
+	w.begin(t, "k2", true)
+	seen, _ = w.eng.Get(ctx, "", "k2")
+	w.clock.Advance(31 * time.Second)
+	w.begin(t, "k2", true)
+	w.clock.Advance(reconcile.DefaultGrace)
+	if err := reconcile.Resolve(ctx, w.eng, seen, reconcile.Resolution{Outcome: reconcile.Failed}, true); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("Resolve of a record taken by another lease since: %v; want ErrLeaseLost", err)
+	}
+}
+
 // TestResolveLeavesAnUnknownRecordItsGrace: a retry that comes after the
 // lease ended marks the record UNKNOWN at once; an operator's Resolve of it
 // is then refused for the grace, as the reconciler's pass waits and as it
