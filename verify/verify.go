@@ -351,13 +351,15 @@ func (r *runner) send(ctx context.Context, c *http.Client, body string, keys []s
 	return a
 }
 
-// do makes one request, bounded by cfg.Timeout, and reads its answer.
+// do makes one request, bounded by cfg.Timeout, and reads its answer. Its
+// error names no URL: net/http's would quote the target whole, a secret in
+// its query included.
 func (r *runner) do(ctx context.Context, c *http.Client, method, target, body string, h http.Header) answer {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, method, target, strings.NewReader(body))
 	if err != nil {
-		return answer{err: err}
+		return answer{err: redact.Err(err)}
 	}
 	req.Header = h
 	resp, err := c.Do(req)
@@ -368,7 +370,7 @@ func (r *runner) do(ctx context.Context, c *http.Client, method, target, body st
 	}
 	r.mu.Unlock()
 	if err != nil {
-		return answer{err: err}
+		return answer{err: redact.Err(err)}
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)

@@ -587,6 +587,32 @@ func TestURLPasswordIsNotPrinted(t *testing.T) {
 	}
 }
 
+// TestURLQuerySecretIsNotPrinted: a secret in a URL's query (an api_key, a
+// token) is in no check's detail and no error. Report.URL hid it, but every
+// failed request quoted net/http's error, which names the URL whole.
+func TestURLQuerySecretIsNotPrinted(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: "http://" + closed + "/v1/charges?api_key=sk_live_s3cr3t"})
+	if printed := fmt.Sprint(rep, err); err == nil || strings.Contains(printed, "s3cr3t") {
+		t.Errorf("unreachable endpoint: report %+v, error %v; want an error without the api_key", rep, err)
+	}
+	// The endpoint answers, the effects page cannot be read.
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+	var n atomic.Int64
+	srv := httptest.NewServer(mw.Wrap(charge(&n)))
+	defer srv.Close()
+	rep, err = verify.Run(context.Background(), verify.Config{URL: srv.URL + "/v1/charges", EffectsURL: "http://" + closed + "/balance?access_token=tok_s3cr3t"})
+	if printed := fmt.Sprint(rep, err); !strings.Contains(printed, "could not be read") || strings.Contains(printed, "s3cr3t") {
+		t.Errorf("unreadable effects page: report %+v, error %v; want it said, without the token", rep, err)
+	}
+}
+
 // TestEachRequestIsBounded: with a client that has no timeout of its own,
 // an endpoint that takes requests and never answers ends the run with
 // ErrUnreachable after Timeout. (Run never returned.)
