@@ -882,7 +882,7 @@ func TestProblemsSpeakStripe(t *testing.T) {
 		httpidem.ProblemNotReplayable:     "idempotency_error",
 		httpidem.ProblemIdempotencyFailed: "api_error",
 	}
-	retry := []string{httpidem.ProblemInProgress, httpidem.ProblemStoreUnavailable, httpidem.ProblemUpstreamFailed, httpidem.ProblemRequestUnreadable}
+	retry := []string{httpidem.ProblemInProgress, httpidem.ProblemStoreUnavailable, httpidem.ProblemUpstreamFailed, httpidem.ProblemRequestUnreadable, httpidem.ProblemNotRun}
 	for _, typ := range append(retry, slices.Collect(maps.Keys(final))...) {
 		w := httptest.NewRecorder()
 		(&httpidem.Problem{Type: typ, Title: "t", Status: 409, Detail: "d"}).Write(w)
@@ -903,6 +903,13 @@ func TestProblemsSpeakStripe(t *testing.T) {
 		case !isFinal && body.Error != nil:
 			t.Errorf("%s: a problem worth retrying carries an error member %+v", typ, body.Error)
 		}
+	}
+	// A handler's own type says nothing of a retry: its 400 was marked
+	// worth retrying, and idemclient retried it until it gave up.
+	w := httptest.NewRecorder()
+	(&httpidem.Problem{Type: "https://api.example.com/problems#invalid-charge", Title: "Invalid charge", Status: 400}).Write(w)
+	if got, ok := w.Header()[httpidem.HeaderShouldRetry]; ok {
+		t.Errorf("a handler's own problem type: Stripe-Should-Retry %q; want none", got)
 	}
 }
 

@@ -33,8 +33,10 @@ const (
 )
 
 // HeaderShouldRetry says whether a client should send the request again
-// (with the same key): "true" or "false", on every problem. Stripe's SDKs
-// read it (stripe-node, stripe-php, stripe-go).
+// (with the same key): "true" or "false", on every problem of idem's types.
+// stripe-node, stripe-php and idemclient read it; stripe-go reads it only
+// on answers below 400 and decides on the others by the "error" member (see
+// [Problem]).
 const HeaderShouldRetry = "Stripe-Should-Retry"
 
 // kinds says, for each problem type, whether a retry can change the answer,
@@ -69,10 +71,12 @@ type stripeError struct {
 	DocURL  string `json:"doc_url"`
 }
 
-// Problem is an RFC 9457 problem detail. Written, a final one (a retry
-// would get the same answer) also carries a Stripe-compatible "error" member
-// and Stripe-Should-Retry: false; one worth retrying carries
-// Stripe-Should-Retry: true and no "error" member.
+// Problem is an RFC 9457 problem detail. Written, one of idem's types says
+// whether a retry may change the answer: a final one (a retry would get the
+// same answer) carries a Stripe-compatible "error" member and
+// Stripe-Should-Retry: false; one worth retrying carries
+// Stripe-Should-Retry: true and no "error" member. A type of a handler's
+// own gets neither: a client decides by its status.
 type Problem struct {
 	Type   string `json:"type"`
 	Title  string `json:"title"`
@@ -110,7 +114,9 @@ func (p *Problem) Write(w http.ResponseWriter) {
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
-	h.Set(HeaderShouldRetry, strconv.FormatBool(!known || k.retry))
+	if known {
+		h.Set(HeaderShouldRetry, strconv.FormatBool(k.retry))
+	}
 	if p.RetryAfter > 0 {
 		h.Set("Retry-After", strconv.Itoa(int((p.RetryAfter+time.Second-1)/time.Second)))
 	}

@@ -14,8 +14,11 @@
 // request without a key (nothing would make the retry safe), an answer
 // whose Idempotent-Ignored header says the server did not honour the key,
 // nor 400, 422, 409 operation-uncertain, or any other answer. When it gives
-// up on a request it sent, its error is an [*Error] that carries the key,
-// with which the request can be sent again without running it twice. A
+// up on a request it sent (attempts or time ran out on network errors or on
+// answers that asked for a retry, or the request's context ended), its
+// error is an [*Error] that carries the key, with which the request can be
+// sent again without running it twice; a final answer is returned as it
+// came. A
 // caller's own key, in Idempotency-Key or X-Idempotency-Key, is kept as
 // it is.
 //
@@ -135,17 +138,26 @@ func New(cfg Config) *Transport {
 var ErrBodyTooLarge = errors.New("idemclient: request body too large to buffer for retries")
 
 // Error is what RoundTrip returns when it gives up on a request it has
-// sent at least once: attempts or time ran out on network errors, or the
-// request's context ended. The server may have run the request; sending it
-// again with Key (set as the request's Idempotency-Key) learns its outcome
-// without running it twice, where a new key could run it again. Its
-// message does not show the key.
+// sent at least once: attempts or time ran out on network errors or on
+// answers that asked for a retry (a 503, a 409 in-progress…), or the
+// request's context ended. The server may have run the request (an attempt
+// whose answer was lost, or one still running); sending it again with Key
+// (set as the request's Idempotency-Key) learns its outcome without running
+// it twice, where a new key could run it again. Its message does not show
+// the key.
 type Error struct {
 	// Key is the idempotency key every attempt carried.
 	Key string
 	// Attempts is how many attempts were sent.
 	Attempts int
-	// Err is the last attempt's error, or the context's.
+	// Status is the status of the last attempt's answer, which asked for
+	// a retry; 0 when the last attempt got no answer.
+	Status int
+	// RetryAfter is that answer's Retry-After, when it had one: how long
+	// the server asked to wait before sending the request again.
+	RetryAfter time.Duration
+	// Err is the last attempt's error, or the context's, or what its
+	// answer was.
 	Err error
 }
 
@@ -201,12 +213,25 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			out.Body, out.GetBody = body, getBody
 		}
 		resp, err := t.cfg.Base.RoundTrip(out)
-		if !retryable(resp, err, start.Add(t.cfg.MaxElapsed)) || ctx.Err() != nil || attempt >= t.cfg.MaxAttempts {
+		if !retryable(resp, err, start.Add(t.cfg.MaxElapsed)) {
 			return resp, t.gaveUp(key, attempt, err)
 		}
-		wait := t.backoff(attempt, resp)
-		if time.Since(start)+wait > t.cfg.MaxElapsed {
-			return resp, t.gaveUp(key, attempt, err)
+		var wait time.Duration
+		stop := ctx.Err() != nil || attempt >= t.cfg.MaxAttempts
+		if !stop {
+			wait = t.backoff(attempt, resp)
+			stop = wait > t.cfg.MaxElapsed-time.Since(start) // not a sum: a Retry-After may be near MaxInt64
+		}
+		if stop {
+			if resp == nil {
+				return nil, t.gaveUp(key, attempt, err)
+			}
+			// An answer that asks for a retry is not the request's
+			// outcome: an earlier attempt may have run, or this one
+			// still runs. Giving up on it is an error with the key.
+			discard(resp.Body)
+			return nil, &Error{Key: key, Attempts: attempt, Status: resp.StatusCode, RetryAfter: retryAfter(resp.Header.Get("Retry-After")),
+				Err: fmt.Errorf("the server answered %s, asking for a retry", resp.Status)}
 		}
 		if t.cfg.OnRetry != nil {
 			t.cfg.OnRetry(attempt, resp, err, wait)
@@ -277,22 +302,33 @@ const headerIgnored = "Idempotent-Ignored"
 
 // inProgress reports whether a 409 says the first request is still running
 // (worth a retry), rather than, say, operation-uncertain (not now). It
-// reads the body until deadline at most.
+// reads the start of the body (64 KiB at most: a problem's type comes
+// first) until deadline, or for drainTimeout when deadline is nearer, and
+// leaves the whole body readable for the caller.
 func inProgress(resp *http.Response, deadline time.Time) bool {
 	if mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); mt != "application/problem+json" {
 		return resp.Header.Get("Retry-After") != ""
 	}
-	// Peek at the problem's type, keeping the body readable for the caller.
 	body := resp.Body
-	stop := time.AfterFunc(time.Until(deadline), func() { body.Close() }) // unblocks a stalled Read
+	stop := time.AfterFunc(max(time.Until(deadline), drainTimeout), func() { body.Close() }) // unblocks a stalled Read
 	b, err := io.ReadAll(io.LimitReader(body, 1<<16))
-	stop.Stop()
-	body.Close()
-	if err != nil { // cut at the deadline: what was read, then the error
+	if !stop.Stop() && err == nil && len(b) == 1<<16 { // closed with more to come
+		err = errors.New("idemclient: the answer's body took too long to read")
+	}
+	switch {
+	case err != nil: // cut: what was read, then the error
+		body.Close()
 		resp.Body = io.NopCloser(io.MultiReader(bytes.NewReader(b), errReader{err}))
 		return false
+	case len(b) == 1<<16: // more may follow: the rest is the caller's to read
+		resp.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(b), body), body}
+	default:
+		body.Close()
+		resp.Body = io.NopCloser(bytes.NewReader(b))
 	}
-	resp.Body = io.NopCloser(bytes.NewReader(b))
 	return bytes.Contains(b, []byte("in-progress"))
 }
 

@@ -182,22 +182,30 @@ func TestLimits(t *testing.T) {
 			fmt.Fprintf(w, "attempt %d", n)
 		}})
 	}
+	// gaveUp checks that a request given up on an answer that asked for a
+	// retry ends with an *idemclient.Error saying so.
+	gaveUp := func(what string, resp *http.Response, err error, attempts, status int) *idemclient.Error {
+		t.Helper()
+		var e *idemclient.Error
+		if err == nil {
+			resp.Body.Close()
+		}
+		if !errors.As(err, &e) || e.Attempts != attempts || e.Status != status || e.Key == "" {
+			t.Fatalf("%s: %v %v; want an *idemclient.Error after %d attempts, the last answered %d", what, resp, err, attempts, status)
+		}
+		return e
+	}
 	ts := always(503, "")
 	resp, err := client(idemclient.Config{MaxAttempts: 4}).Post(ts.URL, "", nil)
-	if err != nil || resp.StatusCode != 503 {
-		t.Fatal(resp, err)
-	}
-	if b, _ := io.ReadAll(resp.Body); string(b) != "attempt 4" {
-		t.Fatalf("after MaxAttempts: %q; want the 4th answer, readable", b)
-	}
+	gaveUp("after MaxAttempts", resp, err, 4, 503)
 	ts.Close()
 
 	ts = always(429, "60")
 	defer ts.Close()
 	start := time.Now()
 	resp, err = client(idemclient.Config{MaxElapsed: time.Second}).Post(ts.URL, "", nil)
-	if err != nil || resp.StatusCode != 429 || time.Since(start) > 5*time.Second {
-		t.Fatalf("a Retry-After past MaxElapsed: %v %v after %v; want the 429 at once", resp, err, time.Since(start))
+	if e := gaveUp("a Retry-After past MaxElapsed", resp, err, 1, 429); e.RetryAfter != time.Minute || time.Since(start) > 5*time.Second {
+		t.Fatalf("a Retry-After past MaxElapsed: RetryAfter %v after %v; want the server's minute, at once", e.RetryAfter, time.Since(start))
 	}
 
 	// Many attempts with a long base delay: the exponential stays capped
@@ -205,12 +213,7 @@ func TestLimits(t *testing.T) {
 	ts3 := always(503, "")
 	defer ts3.Close()
 	resp, err = client(idemclient.Config{BaseDelay: 10 * time.Second, MaxDelay: time.Millisecond, MaxAttempts: 40, MaxElapsed: time.Minute}).Post(ts3.URL, "", nil)
-	if err != nil || resp.StatusCode != 503 {
-		t.Fatal(resp, err)
-	}
-	if b, _ := io.ReadAll(resp.Body); string(b) != "attempt 40" {
-		t.Fatalf("after 40 attempts: %q; want the 40th answer", b)
-	}
+	gaveUp("after 40 attempts", resp, err, 40, 503)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
@@ -414,21 +417,89 @@ func TestStalledBodiesAreNotWaitedFor(t *testing.T) {
 }
 
 // TestHugeRetryAfter: a Retry-After too long for a time.Duration is too
-// long to wait, not a short wait (it overflowed to 0.29 s).
+// long to wait, not a short wait (it overflowed to 0.29 s); one whose
+// wait, added to the time already spent, overflowed is too long as well
+// (a date in year 9999: the client waited until the context ended, for
+// good without a deadline).
 func TestHugeRetryAfter(t *testing.T) {
+	for _, after := range []string{"18446744074", "Fri, 31 Dec 9999 23:59:59 GMT"} {
+		srv := &recorder{answer: func(n int, w http.ResponseWriter) {
+			w.Header().Set("Retry-After", after)
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}}
+		ts := httptest.NewServer(srv)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		req, _ := http.NewRequestWithContext(ctx, "POST", ts.URL, nil)
+		_, err := client(idemclient.Config{MaxElapsed: 5 * time.Second}).Do(req)
+		var gaveUp *idemclient.Error
+		if keys, _ := srv.seen(); !errors.As(err, &gaveUp) || gaveUp.Status != 503 || len(keys) != 1 || ctx.Err() != nil {
+			t.Errorf("Retry-After %q: %v after %d attempts; want the 503 given up on at once (its Retry-After is past MaxElapsed)", after, err, len(keys))
+		}
+		cancel()
+		ts.Close()
+	}
+}
+
+// TestGivingUpOnAnAnswerIsAnError: the first attempt ran and its answer
+// was lost; the retries met a store outage (503, not run) until attempts
+// ran out. The 503 came back with no error, and so without the key: a
+// caller that sent the request again later, under a new key, ran it a
+// second time. Giving up on an answer that asked for a retry is an
+// *idemclient.Error that carries the key.
+func TestGivingUpOnAnAnswerIsAnError(t *testing.T) {
 	srv := &recorder{answer: func(n int, w http.ResponseWriter) {
-		w.Header().Set("Retry-After", "18446744074")
-		w.WriteHeader(http.StatusServiceUnavailable)
+		if n == 1 { // it ran; the answer is lost
+			conn, _, _ := http.NewResponseController(w).Hijack()
+			conn.Close()
+			return
+		}
+		(&httpidem.Problem{Type: httpidem.ProblemStoreUnavailable, Title: "Idempotency store unavailable", Status: 503,
+			Detail: "the request was not run; retry it with the same key", RetryAfter: time.Millisecond}).Write(w)
 	}}
 	ts := httptest.NewServer(srv)
 	defer ts.Close()
-	resp, err := client(idemclient.Config{MaxElapsed: 5 * time.Second}).Post(ts.URL, "", nil)
-	if err != nil {
-		t.Fatal(err)
+	resp, err := client(idemclient.Config{MaxAttempts: 3}).Post(ts.URL, "application/json", strings.NewReader(`{"amount":100}`))
+	if err == nil {
+		resp.Body.Close()
 	}
-	resp.Body.Close()
-	if keys, _ := srv.seen(); len(keys) != 1 {
-		t.Fatalf("%d attempts; want the 503 at once (its Retry-After is past MaxElapsed)", len(keys))
+	keys, _ := srv.seen()
+	var gaveUp *idemclient.Error
+	if !errors.As(err, &gaveUp) || len(keys) != 3 || gaveUp.Key != keys[0] || gaveUp.Attempts != 3 || gaveUp.Status != 503 {
+		t.Fatalf("%v, %v after %d attempts; want an *idemclient.Error carrying the key sent, 3 attempts, the last answered 503", resp, err, len(keys))
+	}
+}
+
+// TestFinalConflictIsReadable: a 409 read for its problem type is handed
+// to the caller whole: one that came after MaxElapsed was closed unread
+// (its body failed), one larger than 64 KiB was cut there without an
+// error.
+func TestFinalConflictIsReadable(t *testing.T) {
+	uncertain := `{"type":"https://idem.dev/problems#operation-uncertain","title":"Outcome unknown","status":409}`
+	for _, c := range []struct {
+		name string
+		body string
+		late time.Duration
+	}{
+		{"late", uncertain, 150 * time.Millisecond},
+		{"large", uncertain + strings.Repeat(" ", 100<<10), 0},
+	} {
+		ts := httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) {
+			<-time.After(c.late) // an answer that comes after MaxElapsed
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(http.StatusConflict)
+			w.(http.Flusher).Flush()
+			io.WriteString(w, c.body)
+		}})
+		resp, err := client(idemclient.Config{MaxElapsed: 100 * time.Millisecond}).Post(ts.URL, "", nil)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 409 || err != nil || string(b) != c.body {
+			t.Errorf("%s: %d, %d bytes of %d, %v; want the 409 whole", c.name, resp.StatusCode, len(b), len(c.body), err)
+		}
+		ts.Close()
 	}
 }
 
