@@ -881,6 +881,7 @@ func TestProblemsSpeakStripe(t *testing.T) {
 		httpidem.ProblemUncertain:         "idempotency_error",
 		httpidem.ProblemNotReplayable:     "idempotency_error",
 		httpidem.ProblemIdempotencyFailed: "api_error",
+		httpidem.ProblemUpstreamUncertain: "api_error",
 	}
 	retry := []string{httpidem.ProblemInProgress, httpidem.ProblemStoreUnavailable, httpidem.ProblemUpstreamFailed, httpidem.ProblemRequestUnreadable, httpidem.ProblemNotRun}
 	for _, typ := range append(retry, slices.Collect(maps.Keys(final))...) {

@@ -29,6 +29,11 @@ const (
 	// a retry with the same key is answered as any request with it is.
 	ProblemNotRun            = ProblemBase + "not-run"
 	ProblemUpstreamFailed    = ProblemBase + "upstream-failed"
+	// ProblemUpstreamUncertain: (idem proxy) the upstream took a request
+	// that idempotency did not cover (no key honoured: a bypassed route, a
+	// method not covered, fail-open) and gave no answer. It may have run,
+	// and a retry would run it again.
+	ProblemUpstreamUncertain = ProblemBase + "upstream-uncertain"
 	ProblemIdempotencyFailed = ProblemBase + "internal"
 )
 
@@ -59,6 +64,7 @@ var kinds = map[string]struct {
 	ProblemStoreUnavailable:  {true, "", ""},
 	ProblemNotRun:            {true, "", ""},
 	ProblemUpstreamFailed:    {true, "", ""},
+	ProblemUpstreamUncertain: {false, "api_error", "upstream_outcome_unknown"},
 	ProblemIdempotencyFailed: {false, "api_error", "idempotency_internal"},
 }
 

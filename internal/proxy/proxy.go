@@ -615,20 +615,37 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			if hash != "" {
 				log = log.With("key_hash", hash)
 			}
+			problem := &httpidem.Problem{Type: httpidem.ProblemUpstreamFailed, Title: "Upstream failed", Status: status,
+				Detail: "the upstream did not answer"}
 			switch {
-			case a != nil && a.sent.Load():
+			case a != nil && a.sent.Load() && hash != "":
 				httpidem.OutcomeUnknown(r)
 				log.Warn("upstream took the request but gave no response: outcome unknown until reconciled", "err", err)
+			case a != nil && a.sent.Load():
+				if !safeMethod(r.Method) { // no key covered it: nothing makes a retry safe
+					problem = &httpidem.Problem{Type: httpidem.ProblemUpstreamUncertain, Title: "Upstream outcome unknown", Status: status,
+						Detail: "the upstream took the request and did not answer: it may have run, and idempotency did not cover it, so a retry would run it again"}
+				}
+				log.Warn("upstream took a request idempotency did not cover and gave no response: it may have run", "err", err)
 			case hash != "":
 				httpidem.NothingHappened(r)
 				log.Warn("upstream unreachable: request not sent, key released for its retry", "err", err)
 			default:
 				log.Warn("upstream unreachable: request not sent", "err", err)
 			}
-			(&httpidem.Problem{Type: httpidem.ProblemUpstreamFailed, Title: "Upstream failed", Status: status,
-				Detail: "the upstream did not answer"}).Write(w)
+			problem.Write(w)
 		},
 	}
+}
+
+// safeMethod reports whether a request of method changes nothing on the
+// server (RFC 9110, 9.2.1): one is sent again whatever became of it.
+func safeMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
 }
 
 // buffers are the reverse proxy's copy buffers, reused across requests.

@@ -203,6 +203,28 @@ func TestUpstreamSilentAfterRequestIsUncertain(t *testing.T) {
 	}
 }
 
+// TestUncoveredRequestSentAndUnansweredIsFinal: a keyed POST on a bypassed
+// route reached the upstream, whose answer was lost. It was answered 502
+// upstream-failed, Stripe-Should-Retry: true, and no error member, which
+// Stripe's SDKs retry: the retry ran it again, as nothing recorded the key.
+// It is answered as final, and says why.
+func TestUncoveredRequestSentAndUnansweredIsFinal(t *testing.T) {
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		io.ReadAll(r.Body)
+		conn, _, err := http.NewResponseController(w).Hijack() // took the request, then the line dies
+		if err == nil {
+			conn.Close()
+		}
+	}}
+	srv := start(t, proxy.Config{Routes: []proxy.Route{{Match: "/bypass/", Bypass: true}}}, mustEngine(t, memstore.New()), up)
+	r := post(t, srv, "/bypass/pay", "k", "x")
+	if r.status != 502 || r.typ != httpidem.ProblemUpstreamUncertain || r.header.Get(httpidem.HeaderShouldRetry) != "false" ||
+		!strings.Contains(r.body, `"code":"upstream_outcome_unknown"`) {
+		t.Fatalf("a request idempotency did not cover, taken by the upstream and unanswered: %d %s, %s %q, %s; want 502 upstream-uncertain, final",
+			r.status, r.typ, httpidem.HeaderShouldRetry, r.header.Get(httpidem.HeaderShouldRetry), r.body)
+	}
+}
+
 func TestUpstreamTimeoutIsUncertain(t *testing.T) {
 	eng := mustEngine(t, memstore.New())
 	release := make(chan struct{})
