@@ -27,8 +27,8 @@ const (
 	// the middleware, or the client went away) before it could run, and
 	// no request with its key was known to be running: it did not run, and
 	// a retry with the same key is answered as any request with it is.
-	ProblemNotRun            = ProblemBase + "not-run"
-	ProblemUpstreamFailed    = ProblemBase + "upstream-failed"
+	ProblemNotRun         = ProblemBase + "not-run"
+	ProblemUpstreamFailed = ProblemBase + "upstream-failed"
 	// ProblemUpstreamUncertain: (idem proxy) the upstream took a request
 	// that idempotency did not cover (no key honoured: a bypassed route, a
 	// method not covered, fail-open) and gave no answer. It may have run,
