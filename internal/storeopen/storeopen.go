@@ -246,12 +246,14 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 		}
+		opts.ContextTimeoutEnabled = true // a call ends at its deadline (store_timeout), not at go-redis's read timeout
 		client = redis.NewClusterClient(opts)
 	} else {
 		opts, err := redis.ParseURL(dsn)
 		if err != nil {
 			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), err)
 		}
+		opts.ContextTimeoutEnabled = true
 		client = redis.NewClient(opts)
 	}
 	s, err := redisstore.New(redisstore.Config{Client: client, Prefix: prefix})

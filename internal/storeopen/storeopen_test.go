@@ -11,8 +11,10 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/internal/testkit"
+	"github.com/idemhq/idem/store"
 )
 
 func TestMain(m *testing.M) { testkit.Main(m) }
@@ -193,5 +195,58 @@ func TestRedact(t *testing.T) {
 		if got := storeopen.Redact(dsn); got != want {
 			t.Errorf("Redact(%s) = %s, want %s", dsn, got, want)
 		}
+	}
+}
+
+// TestStoreCallsEndWithTheirDeadline: a store that stops answering without
+// refusing connections (a paused server, a partition) fails a call when
+// the call's deadline passes, so that store_timeout bounds every request.
+// Redis calls ran for go-redis's own read timeout instead (5 s; 10 s
+// with its retry), whatever the deadline.
+func TestStoreCallsEndWithTheirDeadline(t *testing.T) {
+	for _, c := range []struct {
+		name, env string
+		dsn       func(addr string) string
+	}{
+		{"redis", "IDEM_TEST_REDIS_URL", func(a string) string { return "redis://" + a + "/0?idem_prefix=idem-storeopen-deadline" }},
+		{"postgres", "IDEM_TEST_DATABASE_URL", func(a string) string {
+			return "postgres://postgres@" + a + "/test?sslmode=disable&idem_schema=idem_storeopen_deadline"
+		}},
+		{"memcached", "IDEM_TEST_MEMCACHED_ADDR", func(a string) string { return "memcached://" + a + "?idem_prefix=idem-storeopen-deadline" }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			server := testkit.Server(t, c.env)
+			if u, err := url.Parse(server); err == nil && u.Host != "" {
+				server = u.Host
+			}
+			proxy, err := faultnet.Listen(server)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer proxy.Close()
+			ctx := context.Background()
+			o, err := storeopen.Open(ctx, c.dsn(proxy.Addr()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer o.Close()
+			get := func(d time.Duration) (time.Duration, error) {
+				ctx, cancel := context.WithTimeout(ctx, d)
+				defer cancel()
+				began := time.Now()
+				_, err := o.Store.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: time.Now()})
+				return time.Since(began), err
+			}
+			if _, err := get(10 * time.Second); !errors.Is(err, idem.ErrNotFound) { // a connection in the pool
+				t.Fatalf("Get before the pause: %v", err)
+			}
+			resume := proxy.Pause()
+			defer resume()
+			const deadline = 300 * time.Millisecond
+			took, err := get(deadline)
+			if err == nil || took > deadline+time.Second {
+				t.Fatalf("Get with a %v deadline while the server does not answer: %v after %v; want an error by the deadline", deadline, err, took)
+			}
+		})
 	}
 }

@@ -21,7 +21,8 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	client := redis.NewClient(opt) // or redis.NewClusterClient for Redis Cluster
+	opt.ContextTimeoutEnabled = true // calls end at their deadline (the engine's StoreTimeout)
+	client := redis.NewClient(opt)   // or redis.NewClusterClient for Redis Cluster
 	defer client.Close()
 
 	store, err := redisstore.New(redisstore.Config{Client: client, Prefix: "payments"})

@@ -181,6 +181,10 @@ const (
 type Config struct {
 	// Client talks to Redis: a *redis.Client, a *redis.ClusterClient, or any
 	// other redis.UniversalClient. Required. The store does not close it.
+	// Build it with ContextTimeoutEnabled set in its options: without it,
+	// go-redis ignores a call's deadline while it waits for Redis, and a
+	// Redis that stops answering holds each call for the client's
+	// ReadTimeout (5 s by default) whatever the engine's StoreTimeout.
 	Client redis.UniversalClient
 	// Prefix begins every key the store writes, so several stores (or other
 	// data) can share one Redis. It must not contain '{' or '}'. Defaults to
