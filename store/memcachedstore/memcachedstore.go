@@ -101,9 +101,10 @@
 //	                          at least 64); plus one cas per index it tidies
 //	List page                 one lru_crawler metadump per server of
 //	                          Config.Servers, on a connection of its own (it
-//	                          reads every item the server holds), then the
-//	                          records after the cursor in one multi-get per
-//	                          batch, as a scan
+//	                          reads every item the server holds), the
+//	                          indexes in one multi-get, then the records
+//	                          after the cursor in one multi-get per batch,
+//	                          as a scan
 //	Prune                     0
 //
 // Every 128th append of a store to an index costs 2 more round trips, the
@@ -131,7 +132,11 @@
 // every key it holds, with the text command lru_crawler metadump (memcached
 // 1.4.31 and later; memcached -X or -o no_lru_crawler turns it off, and List
 // then fails with [store.ErrUnavailable]), keeps this store's record keys,
-// sorts them by hash, and reads the ones after the cursor's. A server's
+// adds the unsettled records the indexes name, sorts them by hash, and
+// reads the ones after the cursor's. A dump is not a snapshot: while the
+// server takes writes, its crawler passes over some items that move in its
+// LRU lists, so a settled record can be left out of a listing under
+// traffic; an unsettled one, named by the indexes too, is not. A server's
 // crawler serves one dump at a time and runs crawls of its own: List tries a
 // busy one again, backing off, for up to [DefaultBusyWait]. Every page dumps
 // every server again, so its cost grows with the number of items in
