@@ -10,21 +10,25 @@
 // by the embedded migrations, which [New] applies unless told not to:
 //
 //	scope text, key text             PRIMARY KEY (scope, key), COLLATE "C"; the key as sent, never hashed
-//	state text                       in_progress | completed | failed | unknown (CHECK)
 //	fingerprint text, token text
 //	fence bigint
-//	lease_expires timestamptz
+//	lease_expires, created timestamptz
 //	takeover_safe boolean
-//	response bytea                   store.Response.MarshalBinary; NULL unless completed
-//	created, updated timestamptz
+//	state text                       in_progress | completed | failed | unknown (CHECK)
+//	updated timestamptz
 //	expires timestamptz              NULL while in_progress or unknown
+//	response bytea                   store.Response.MarshalBinary; NULL unless completed
 //	checkpoints bytea                store.AppendCheckpoint lines, oldest first; NULL when there are none
 //
 // Its only index is the primary key, and inserts fill a page to 30%
 // (fillfactor), leaving the rest for the completed rows, so that a complete,
-// which changes state, response and expires, is a HOT update: the row is
-// rewritten in its page, no index entry is written, and the WAL is the least
-// PostgreSQL can write. What the reconciler's scan and the pruner look up
+// which changes state, updated, expires and response, is a HOT update: the
+// row is rewritten in its page, no index entry is written, and the WAL is the
+// least PostgreSQL can write. Those four columns come last (in a table
+// created since release 0.1.0; one created by it keeps its order, and every
+// statement names its columns): a HOT update logs only the bytes between
+// the prefix and the suffix the new row shares with the old one, so the
+// complete logs none of the columns it keeps. What the reconciler's scan and the pruner look up
 // lives in <schema>.records_due, an UNLOGGED table (it writes no WAL) that
 // triggers on records keep in step in the same transaction: one row per
 // record, its expiry, NULL while the record is unsettled, with a partial
