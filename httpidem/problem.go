@@ -82,7 +82,8 @@ type stripeError struct {
 // same answer) carries a Stripe-compatible "error" member and
 // Stripe-Should-Retry: false; one worth retrying carries
 // Stripe-Should-Retry: true and no "error" member. A type of a handler's
-// own gets neither: a client decides by its status.
+// own gets neither (a client decides by its status), unless the handler set
+// the header itself before Write.
 type Problem struct {
 	Type   string `json:"type"`
 	Title  string `json:"title"`

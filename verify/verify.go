@@ -369,6 +369,12 @@ func (r *runner) do(ctx context.Context, c *http.Client, method, target, body st
 		r.cfg.Progress(r.sent) // one call at a time, in order
 	}
 	r.mu.Unlock()
+	var gaveUp *idemclient.Error
+	if errors.As(err, &gaveUp) && gaveUp.Status != 0 {
+		// The retrying client gave up on an answer that asked for a retry
+		// (a 503, a 429): the endpoint answered, and the checks say so.
+		return answer{status: gaveUp.Status, header: http.Header{}}
+	}
 	if err != nil {
 		return answer{err: redact.Err(err)}
 	}

@@ -587,6 +587,21 @@ func TestURLPasswordIsNotPrinted(t *testing.T) {
 	}
 }
 
+// TestAnEndpointThatAsksForRetriesIsReachable: an API whose store is down
+// answers every request 503; the retrying client gives up on it with an
+// error, which made the run stop as if the endpoint could not be reached.
+// The checks run and say what it answered.
+func TestAnEndpointThatAsksForRetriesIsReachable(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		(&httpidem.Problem{Type: httpidem.ProblemStoreUnavailable, Title: "Idempotency store unavailable", Status: 503}).Write(w)
+	}))
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL + "/v1/charges", Timeout: 5 * time.Second})
+	if errors.Is(err, verify.ErrUnreachable) || len(rep.Checks) < 2 || !strings.Contains(fmt.Sprint(rep), "503") {
+		t.Fatalf("an endpoint answering 503: %+v, %v; want every check run, failing on the 503", rep, err)
+	}
+}
+
 // TestURLQuerySecretIsNotPrinted: a secret in a URL's query (an api_key, a
 // token) is in no check's detail and no error. Report.URL hid it, but every
 // failed request quoted net/http's error, which names the URL whole.

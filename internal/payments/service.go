@@ -23,6 +23,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -146,21 +147,27 @@ var (
 	customerRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
 )
 
-// problemTitles are the titles of the service's problem types, by the
-// fragment of their type (docs/payments.md lists them).
-var problemTitles = map[string]string{
-	"invalid-charge":       "Invalid charge",
-	"acquirer-unavailable": "Card acquirer unavailable",
-	"acquirer-silent":      "Card acquirer did not answer",
-	"ledger-failed":        "Charge not recorded",
-	"settled-elsewhere":    "Charge settled by another attempt",
-	"unavailable":          "Service unavailable",
-	"not-found":            "Charge not found",
-	"internal":             "Internal error",
+// problemTypes are the service's problem types, by the fragment of their
+// type (docs/payments.md lists them): their titles, and whether a retry with
+// the same key may get another answer (Stripe-Should-Retry).
+var problemTypes = map[string]struct {
+	title string
+	retry bool
+}{
+	"invalid-charge":       {"Invalid charge", false},
+	"acquirer-unavailable": {"Card acquirer unavailable", true},
+	"acquirer-silent":      {"Card acquirer did not answer", true},
+	"ledger-failed":        {"Charge not recorded", true},
+	"settled-elsewhere":    {"Charge settled by another attempt", true},
+	"unavailable":          {"Service unavailable", true},
+	"not-found":            {"Charge not found", false},
+	"internal":             {"Internal error", false},
 }
 
 func problem(w http.ResponseWriter, status int, kind, detail string) {
-	(&httpidem.Problem{Type: "https://github.com/idemhq/idem/blob/main/docs/payments.md#" + kind, Title: problemTitles[kind],
+	k := problemTypes[kind]
+	w.Header().Set(httpidem.HeaderShouldRetry, strconv.FormatBool(k.retry)) // httpidem says it for its own types only
+	(&httpidem.Problem{Type: "https://github.com/idemhq/idem/blob/main/docs/payments.md#" + kind, Title: k.title,
 		Status: status, Detail: detail}).Write(w)
 }
 

@@ -181,6 +181,34 @@ func TestUnreachableAcquirerReleases(t *testing.T) {
 	}
 }
 
+// TestProblemsSayWhetherToRetry: the service's problems say, in
+// Stripe-Should-Retry, whether the same request may get another answer:
+// a busy acquirer yes, an invalid charge no. (httpidem says it for its own
+// types only: the service's got no header, and its 409 settled-elsewhere,
+// whose retry gets the charge, was final to idemclient.)
+func TestProblemsSayWhetherToRetry(t *testing.T) {
+	f := newFixture(t)
+	send := func(key, body string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", f.api.URL+"/v1/charges", strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer sk_test")
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get("Stripe-Should-Retry")
+	}
+	f.acq.SetFaults(payments.Faults{Unavailable: 1})
+	if code, retry := send("k-busy", `{"amount":5,"currency":"eur","customer":"cus_3"}`); code != 503 || retry != "true" {
+		t.Errorf("acquirer busy: %d, Stripe-Should-Retry %q; want 503 and true", code, retry)
+	}
+	if code, retry := send("k-invalid", `{"amount":0,"currency":"eur","customer":"cus_3"}`); code != 400 || retry != "false" {
+		t.Errorf("invalid charge: %d, Stripe-Should-Retry %q; want 400 and false", code, retry)
+	}
+}
+
 // TestInvalidChargeSaysWhy: a charge that is not valid gets a problem with a
 // title a person reads and a detail that names what is wrong; the example
 // it gives is accepted.

@@ -617,8 +617,12 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			}
 			problem := &httpidem.Problem{Type: httpidem.ProblemUpstreamFailed, Title: "Upstream failed", Status: status,
 				Detail: "the upstream did not answer"}
+			// Covered: run under a lease. A keyed request run by fail-open
+			// has a key hash but no lease, and no record to say what
+			// became of it.
+			_, covered := httpidem.LeaseFrom(r.Context())
 			switch {
-			case a != nil && a.sent.Load() && hash != "":
+			case a != nil && a.sent.Load() && covered:
 				httpidem.OutcomeUnknown(r)
 				log.Warn("upstream took the request but gave no response: outcome unknown until reconciled", "err", err)
 			case a != nil && a.sent.Load():
@@ -627,7 +631,7 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 						Detail: "the upstream took the request and did not answer: it may have run, and idempotency did not cover it, so a retry would run it again"}
 				}
 				log.Warn("upstream took a request idempotency did not cover and gave no response: it may have run", "err", err)
-			case hash != "":
+			case covered:
 				httpidem.NothingHappened(r)
 				log.Warn("upstream unreachable: request not sent, key released for its retry", "err", err)
 			default:

@@ -203,8 +203,10 @@ func TestUpstreamSilentAfterRequestIsUncertain(t *testing.T) {
 	}
 }
 
-// TestUncoveredRequestSentAndUnansweredIsFinal: a keyed POST on a bypassed
-// route reached the upstream, whose answer was lost. It was answered 502
+// TestUncoveredRequestSentAndUnansweredIsFinal: a keyed POST that
+// idempotency did not cover (a bypassed route; run by fail-open while the
+// store was unreachable, as idem proxy runs it, with an Observe hook)
+// reached the upstream, whose answer was lost. It was answered 502
 // upstream-failed, Stripe-Should-Retry: true, and no error member, which
 // Stripe's SDKs retry: the retry ran it again, as nothing recorded the key.
 // It is answered as final, and says why.
@@ -216,12 +218,34 @@ func TestUncoveredRequestSentAndUnansweredIsFinal(t *testing.T) {
 			conn.Close()
 		}
 	}}
-	srv := start(t, proxy.Config{Routes: []proxy.Route{{Match: "/bypass/", Bypass: true}}}, mustEngine(t, memstore.New()), up)
-	r := post(t, srv, "/bypass/pay", "k", "x")
-	if r.status != 502 || r.typ != httpidem.ProblemUpstreamUncertain || r.header.Get(httpidem.HeaderShouldRetry) != "false" ||
-		!strings.Contains(r.body, `"code":"upstream_outcome_unknown"`) {
-		t.Fatalf("a request idempotency did not cover, taken by the upstream and unanswered: %d %s, %s %q, %s; want 502 upstream-uncertain, final",
-			r.status, r.typ, httpidem.HeaderShouldRetry, r.header.Get(httpidem.HeaderShouldRetry), r.body)
+	upstream := httptest.NewServer(up)
+	defer upstream.Close()
+	bypass := proxy.DefaultConfig()
+	bypass.Routes = []proxy.Route{{Match: "/bypass/", Bypass: true}}
+	failOpen := proxy.DefaultConfig()
+	failOpen.Defaults.FailOpen = true
+	for _, c := range []struct {
+		name, path string
+		cfg        proxy.Config
+		store      idem.Store
+	}{
+		{"bypassed route", "/bypass/pay", bypass, memstore.New()},
+		{"fail-open", "/pay", failOpen, downStore{memstore.New()}},
+	} {
+		c.cfg.Upstream = upstream.URL
+		h, err := proxy.Handler(c.cfg, mustEngine(t, c.store), quiet, proxy.Hooks{Observe: func(*http.Request, string) {}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := httptest.NewServer(h)
+		r := post(t, srv, c.path, "k", "x")
+		srv.Close()
+		if r.status != 502 || r.typ != httpidem.ProblemUpstreamUncertain || r.header.Get(httpidem.HeaderShouldRetry) != "false" ||
+			!strings.Contains(r.body, `"code":"upstream_outcome_unknown"`) || r.header.Get(httpidem.HeaderIgnored) == "" {
+			t.Errorf("%s, taken by the upstream and unanswered: %d %s, %s %q, %s %q, %s; want 502 upstream-uncertain, final, the key said ignored",
+				c.name, r.status, r.typ, httpidem.HeaderShouldRetry, r.header.Get(httpidem.HeaderShouldRetry),
+				httpidem.HeaderIgnored, r.header.Get(httpidem.HeaderIgnored), r.body)
+		}
 	}
 }
 
@@ -433,9 +457,14 @@ func TestBadRoutesAreRefused(t *testing.T) {
 	}
 }
 
+// downStore is a store that cannot be reached.
 type downStore struct{ idem.Store }
 
 func (downStore) Get(context.Context, store.GetParams) (idem.Record, error) {
+	return idem.Record{}, idem.ErrUnavailable
+}
+
+func (downStore) Acquire(context.Context, store.AcquireParams) (idem.Record, error) {
 	return idem.Record{}, idem.ErrUnavailable
 }
 

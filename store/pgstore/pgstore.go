@@ -28,7 +28,9 @@
 // created since release 0.1.0; one created by it keeps its order, and every
 // statement names its columns): a HOT update logs only the bytes between
 // the prefix and the suffix the new row shares with the old one, so the
-// complete logs none of the columns it keeps. What the reconciler's scan and the pruner look up
+// complete logs none of the columns it keeps (unless wal_level is logical:
+// PostgreSQL then logs every new row whole, for logical decoding). What the
+// reconciler's scan and the pruner look up
 // lives in <schema>.records_due, an UNLOGGED table (it writes no WAL) that
 // triggers on records keep in step in the same transaction: one row per
 // record, its expiry, NULL while the record is unsettled, with a partial
