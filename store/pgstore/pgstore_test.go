@@ -688,23 +688,8 @@ func TestCheckpointsKeptAndDropped(t *testing.T) {
 // migration 1, as a store of an earlier release left it, with a record in it.
 func TestMigrateUpgradesVersion1(t *testing.T) {
 	t.Parallel()
-	schema := newSchema(t)
+	schema := releasedSchema(t)
 	pool := sharedPool(t)
-	v1, err := os.ReadFile("testdata/v0.1.0/001_records.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	quoted := pgx.Identifier{schema}.Sanitize()
-	for _, sql := range []string{
-		"CREATE SCHEMA " + quoted,
-		"CREATE TABLE " + table(schema, "migrations") + " (version integer PRIMARY KEY, applied timestamptz NOT NULL)",
-		strings.ReplaceAll(string(v1), "{{schema}}", quoted),
-		"INSERT INTO " + table(schema, "migrations") + " (version, applied) VALUES (1, now())",
-	} {
-		if _, err := pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
 	if _, err := pool.Exec(ctx, `INSERT INTO `+table(schema, "records")+` (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
 		VALUES ('s', 'k', 'in_progress', $1, 'tok', 1, $2, true, $3, $3)`, string(fp("a")), t0.Add(30*time.Second), t0); err != nil {
 		t.Fatal(err)
