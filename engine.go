@@ -144,8 +144,13 @@ func New(cfg Config) (*Engine, error) {
 	if e.log == nil {
 		e.log = slog.Default()
 	}
-	if e.lease < 0 || e.retention < 0 || e.poll < 0 || e.storeTimeout < 0 {
-		return nil, invalid("lease, retention, poll and store timeout must be positive")
+	for _, d := range []struct {
+		name  string
+		value time.Duration
+	}{{"lease", e.lease}, {"retention", e.retention}, {"poll", e.poll}, {"store timeout", e.storeTimeout}} {
+		if d.value < 0 {
+			return nil, invalid("%s %v is negative: want a positive duration, or 0 for the default", d.name, d.value)
+		}
 	}
 	j, err := openJournal(e, cfg.JournalDir)
 	if err != nil {

@@ -43,6 +43,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"net/url"
@@ -286,12 +287,21 @@ func New(cfg Config) (*Middleware, error) {
 	if cfg.Engine == nil {
 		return nil, fmt.Errorf("%w: httpidem: config has no engine", idem.ErrInvalid)
 	}
-	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 || cfg.Lease < 0 || cfg.Retention < 0 {
-		return nil, fmt.Errorf("%w: httpidem: negative limit or duration", idem.ErrInvalid)
+	for _, v := range []struct {
+		name  string
+		value int64
+	}{{"max request body", cfg.MaxRequestBody}, {"max response body", cfg.MaxResponseBody}, {"lease", int64(cfg.Lease)}, {"retention", int64(cfg.Retention)}} {
+		if v.value < 0 {
+			return nil, fmt.Errorf("%w: httpidem: %s is negative: want a positive value, or 0 for the default", idem.ErrInvalid, v.name)
+		}
 	}
 	if cfg.MaxRequestBody == 0 {
 		cfg.MaxRequestBody = DefaultMaxRequestBody
 	}
+	// The body is read up to one byte past the limit, to tell a body at the
+	// limit from a longer one: a limit of the largest int64 ("none") wrapped
+	// round, and every body was read as empty.
+	cfg.MaxRequestBody = min(cfg.MaxRequestBody, math.MaxInt64-1)
 	if cfg.Wait == 0 {
 		cfg.Wait = DefaultWait
 	}

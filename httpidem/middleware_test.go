@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httptrace"
@@ -1366,4 +1367,17 @@ func TestDuplicateJoiningAnAcquireIsToldItRuns(t *testing.T) {
 	if w.Code != http.StatusConflict || !strings.Contains(w.Body.String(), "in-progress") {
 		t.Fatalf("duplicate whose deadline passed while the first's acquire was on its way: %d %s; want 409 in-progress", w.Code, w.Body)
 	}
+}
+
+// TestLargestBodyLimitMeansNone: MaxRequestBody at the largest int64, a
+// way to say "no limit", wrapped round when the middleware read one byte
+// past it: every body was read as empty, so another payload under the same
+// key was replayed the first one's outcome instead of 422.
+func TestLargestBodyLimitMeansNone(t *testing.T) {
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()), MaxRequestBody: math.MaxInt64}, a)
+	if r := send(t, srv, "POST", "/pay", "k", `{"amount":1000}`); r.status != 201 || !strings.Contains(r.body, `amount`) {
+		t.Fatalf("first: %d %s; want 201 and the body seen by the handler", r.status, r.body)
+	}
+	wantProblem(t, send(t, srv, "POST", "/pay", "k", `{"amount":999999}`), 422, httpidem.ProblemPayloadMismatch)
 }

@@ -141,14 +141,19 @@ func TestNegativeDurationsAreRefused(t *testing.T) {
 }
 
 // TestYAMLMistakesAreRefused: a key given twice, a second document, and a
-// route's own keys under defaults are mistakes the file must not hide.
+// route's own keys under defaults are mistakes the file must not hide. A
+// lease or retention under defaults was read, and overrode the engine's
+// for every route: --retention 72h (or IDEM_RETENTION) lost to the file's
+// defaults, and a retry after the file's retention ran again.
 func TestYAMLMistakesAreRefused(t *testing.T) {
 	for name, c := range map[string]struct{ yaml, want string }{
-		"duplicate key":        {"upstream: http://x\nstore: sqlite:a.db\nstore: \"memory:\"\n", "line 3: store is given twice"},
-		"duplicate in route":   {"upstream: http://x\nroutes:\n  - match: /a\n    wait: 1s\n    wait: 2s\n", "line 5: wait is given twice"},
-		"second document":      {"upstream: http://x\n---\nstore: \"memory:\"\n", "one document"},
-		"match under default":  {"upstream: http://x\ndefaults:\n  match: /a\n", "line 3: match"},
-		"bypass under default": {"upstream: http://x\ndefaults:\n  bypass: true\n", "line 3: bypass"},
+		"duplicate key":           {"upstream: http://x\nstore: sqlite:a.db\nstore: \"memory:\"\n", "line 3: store is given twice"},
+		"duplicate in route":      {"upstream: http://x\nroutes:\n  - match: /a\n    wait: 1s\n    wait: 2s\n", "line 5: wait is given twice"},
+		"second document":         {"upstream: http://x\n---\nstore: \"memory:\"\n", "one document"},
+		"match under default":     {"upstream: http://x\ndefaults:\n  match: /a\n", "line 3: match"},
+		"bypass under default":    {"upstream: http://x\ndefaults:\n  bypass: true\n", "line 3: bypass"},
+		"lease under default":     {"upstream: http://x\ndefaults:\n  lease: 5s\n", "line 3: lease is not a setting of defaults: write it at the top level (--lease"},
+		"retention under default": {"upstream: http://x\ndefaults:\n  retention: 2s\n", "line 3: retention is not a setting of defaults: write it at the top level (--retention"},
 	} {
 		cfg := proxy.DefaultConfig()
 		err := decodeProxyYAML([]byte(c.yaml), &cfg)

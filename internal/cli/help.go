@@ -175,22 +175,30 @@ func flagError(fs *flag.FlagSet, err error) string {
 	if _, err := fmt.Sscanf(strings.Replace(msg, "invalid boolean value", "invalid value", 1), "invalid value %q for flag -%s", &value, &name); err == nil {
 		name = strings.TrimSuffix(name, ":")
 		_, want, _ := strings.Cut(msg, " for flag -"+name+": ")
-		if g, ok := fs.Lookup(name).Value.(flag.Getter); ok {
-			switch g.Get().(type) {
-			case time.Duration:
-				want = "want a duration such as 30s or 5m"
-			case int, int64, uint, uint64:
-				want = "want a whole number"
-			case bool:
-				want = "want true or false"
-			}
-		}
-		if _, ok := fs.Lookup(name).Value.(interface{ secret() }); ok {
-			return fmt.Sprintf("--%s: %s", name, want)
-		}
-		return fmt.Sprintf("--%s %q: %s", name, value, want)
+		return badValue(fs.Lookup(name), "--"+name, value, want)
 	}
 	return msg
+}
+
+// badValue says that value, given to flag f as label (--lease, or
+// $IDEM_LEASE), is not one it takes, and what it takes where the flag's
+// type says more than want, the flag package's words. A secret's value is
+// not repeated.
+func badValue(f *flag.Flag, label, value, want string) string {
+	if g, ok := f.Value.(flag.Getter); ok {
+		switch g.Get().(type) {
+		case time.Duration:
+			want = "want a duration such as 30s or 5m"
+		case int, int64, uint, uint64:
+			want = "want a whole number"
+		case bool:
+			want = "want true or false"
+		}
+	}
+	if _, ok := f.Value.(interface{ secret() }); ok {
+		return fmt.Sprintf("%s: %s", label, want)
+	}
+	return fmt.Sprintf("%s %q: %s", label, value, want)
 }
 
 // printHelp prints a command's help in the one style every command shares.
@@ -378,7 +386,7 @@ func applyEnv(fs *flag.FlagSet, env Env, except ...string) error {
 		name := f.Usage[i+2 : len(f.Usage)-1]
 		if v := env(name); v != "" {
 			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("$%s: %v", name, e)
+				err = errors.New(badValue(f, "$"+name, v, e.Error()))
 			}
 		}
 	})

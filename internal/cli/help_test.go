@@ -80,6 +80,16 @@ func TestUsageErrors(t *testing.T) {
 	}
 }
 
+// TestEnvironmentErrorsSayWhatIsWanted: a variable a command cannot read
+// says what it wants, as the flag does ("$IDEM_LEASE: parse error" did not).
+func TestEnvironmentErrorsSayWhatIsWanted(t *testing.T) {
+	var stdout, stderr strings.Builder
+	code := Main(context.Background(), []string{"demo"}, envOf(map[string]string{"IDEM_LEASE": "30"}), &stdout, &stderr)
+	if want := `$IDEM_LEASE "30": want a duration such as 30s`; code != 2 || !strings.Contains(stderr.String(), want) {
+		t.Errorf("IDEM_LEASE=30 idem demo: exit %d, stderr %q; want exit 2 and %q", code, stderr.String(), want)
+	}
+}
+
 // TestConfigReference: docs/config.md is the reference the settings make
 // (go test ./internal/cli -run TestConfigReference -update rewrites it).
 func TestConfigReference(t *testing.T) {

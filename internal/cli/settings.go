@@ -16,6 +16,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/proxy"
 )
 
@@ -49,7 +50,7 @@ var settingHelp = map[string]string{
 	"retention":           "how long outcomes are replayed",
 	"poll":                "how often a waiting duplicate looks again when nothing wakes it",
 	"store_timeout":       "bound on each store call for a request, retries included",
-	"cache_size":          "completed outcomes kept in memory to answer replays without the store (negative: none)",
+	"cache_size":          "the `size` of the completed outcomes kept in memory to answer replays without the store (negative: no cache)",
 	"journal_dir":         "`directory` where outcomes wait while the store is unreachable (none: memory only)",
 	"read_header_timeout": "bound on reading a request's headers",
 	"read_timeout":        "bound on reading a whole request, body included",
@@ -77,6 +78,7 @@ var settingHelp = map[string]string{
 // nothing, for help.
 var zeroMeans = map[string]string{
 	"upstream":       "required",
+	"cache_size":     formatSize(idem.DefaultCacheSize),
 	"admin_listen":   "off",
 	"admin_token":    "none: the console is off unless read-only",
 	"audit_log":      "memory only",
@@ -406,8 +408,13 @@ func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
 		yamlFields(v, fields)
 		if name == "defaults" {
 			// A route's own keys: under defaults they would mean nothing.
-			delete(fields, "match")
-			delete(fields, "bypass")
+			// Its lease and retention: under defaults they would override
+			// the engine's (the top-level lease and retention, which flags
+			// and variables set) for every route, flags and variables
+			// included.
+			for _, k := range []string{"match", "bypass", "lease", "retention"} {
+				delete(fields, k)
+			}
 		}
 		seen := map[string]bool{}
 		for i := 0; i+1 < len(n.Content); i += 2 {
@@ -416,6 +423,9 @@ func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
 			switch {
 			case !ok && name == "defaults" && (key == "match" || key == "bypass"):
 				return fmt.Errorf("line %d: %s is a route's, not a setting of defaults: write it in a route under routes", n.Content[i].Line, key)
+			case !ok && name == "defaults" && (key == "lease" || key == "retention"):
+				return fmt.Errorf("line %d: %s is not a setting of defaults: write it at the top level (--%s, IDEM_%s), or in a route under routes",
+					n.Content[i].Line, key, key, strings.ToUpper(key))
 			case !ok:
 				known := slices.Sorted(maps.Keys(fields))
 				return fmt.Errorf("line %d: %s is not a setting of %s (its settings: %s)", n.Content[i].Line, key, name, strings.Join(known, ", "))

@@ -1,6 +1,7 @@
 package proxy_test
 
 import (
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -8,25 +9,38 @@ import (
 	"github.com/idemhq/idem/internal/proxy"
 )
 
-// TestValidateRefusesNegativeLimits: a negative timeout or header limit is
-// refused, naming its setting. (A negative upstream timeout cut every
-// response at once, so successful requests became UNKNOWN; the server's
-// negative timeouts meant none at all.)
+// TestValidateRefusesNegativeLimits: a negative timeout, duration or size
+// is refused, naming its setting (the engine's and the body limits were
+// reported as the route "/", or without their names), and so is a header
+// limit that net/http's arithmetic wraps round. (A negative upstream
+// timeout cut every response at once, so successful requests became
+// UNKNOWN; the server's negative timeouts meant none at all; a header limit
+// near the largest int refused every request with 431.)
 func TestValidateRefusesNegativeLimits(t *testing.T) {
-	for name, set := range map[string]func(*proxy.Config){
-		"upstream_timeout":    func(c *proxy.Config) { c.UpstreamTimeout = -time.Second },
-		"shutdown_timeout":    func(c *proxy.Config) { c.ShutdownTimeout = -time.Second },
-		"read_header_timeout": func(c *proxy.Config) { c.ReadHeaderTimeout = -time.Second },
-		"read_timeout":        func(c *proxy.Config) { c.ReadTimeout = -time.Second },
-		"write_timeout":       func(c *proxy.Config) { c.WriteTimeout = -time.Second },
-		"idle_timeout":        func(c *proxy.Config) { c.IdleTimeout = -time.Second },
-		"max_header_bytes":    func(c *proxy.Config) { c.MaxHeaderBytes = -1 },
+	for _, c := range []struct {
+		name string
+		set  func(*proxy.Config)
+	}{
+		{"upstream_timeout", func(c *proxy.Config) { c.UpstreamTimeout = -time.Second }},
+		{"shutdown_timeout", func(c *proxy.Config) { c.ShutdownTimeout = -time.Second }},
+		{"read_header_timeout", func(c *proxy.Config) { c.ReadHeaderTimeout = -time.Second }},
+		{"read_timeout", func(c *proxy.Config) { c.ReadTimeout = -time.Second }},
+		{"write_timeout", func(c *proxy.Config) { c.WriteTimeout = -time.Second }},
+		{"idle_timeout", func(c *proxy.Config) { c.IdleTimeout = -time.Second }},
+		{"max_header_bytes", func(c *proxy.Config) { c.MaxHeaderBytes = -1 }},
+		{"max_header_bytes", func(c *proxy.Config) { c.MaxHeaderBytes = math.MaxInt }},
+		{"lease", func(c *proxy.Config) { c.Engine.Lease = -time.Second }},
+		{"retention", func(c *proxy.Config) { c.Engine.Retention = -time.Second }},
+		{"poll", func(c *proxy.Config) { c.Engine.Poll = -time.Second }},
+		{"store_timeout", func(c *proxy.Config) { c.Engine.StoreTimeout = -time.Second }},
+		{"max_request_body", func(c *proxy.Config) { c.Defaults.MaxRequestBody = -1 }},
+		{"max_response_body", func(c *proxy.Config) { c.Defaults.MaxResponseBody = -1 }},
 	} {
 		cfg := proxy.DefaultConfig()
 		cfg.Upstream = "http://127.0.0.1:9000"
-		set(&cfg)
-		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), name) {
-			t.Errorf("%s negative: %v; want an error naming it", name, err)
+		c.set(&cfg)
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), c.name) {
+			t.Errorf("%s: %v; want an error naming it", c.name, err)
 		}
 	}
 	cfg := proxy.DefaultConfig()

@@ -315,23 +315,40 @@ func (cfg Config) Validate() error {
 	return err
 }
 
-// checkLimits refuses a negative timeout or header limit: each would mean
-// something other than what it says (a negative upstream timeout cuts every
-// response at once, so each request's outcome becomes unknown; the server's
-// mean no limit at all). 0 means the default.
+// MaxHeaderBytesLimit is the largest max_header_bytes accepted: net/http
+// adds 4 KiB to it, and a value near the largest int wrapped round and
+// refused every request.
+const MaxHeaderBytesLimit = 1 << 30
+
+// checkLimits refuses a negative timeout, duration or size, naming the
+// setting: each would mean something other than what it says (a negative
+// upstream timeout cuts every response at once, so each request's outcome
+// becomes unknown; the server's mean no limit at all). 0 means the default.
+// (A route's own are checked with the route.)
 func (cfg Config) checkLimits() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
 	}{{"upstream_timeout", cfg.UpstreamTimeout}, {"shutdown_timeout", cfg.ShutdownTimeout},
 		{"read_header_timeout", cfg.ReadHeaderTimeout}, {"read_timeout", cfg.ReadTimeout},
-		{"write_timeout", cfg.WriteTimeout}, {"idle_timeout", cfg.IdleTimeout}} {
+		{"write_timeout", cfg.WriteTimeout}, {"idle_timeout", cfg.IdleTimeout},
+		{"lease", cfg.Engine.Lease}, {"retention", cfg.Engine.Retention}, {"poll", cfg.Engine.Poll},
+		{"store_timeout", cfg.Engine.StoreTimeout}} {
 		if d.v < 0 {
 			return fmt.Errorf("%s %v: want a positive duration (0 for the default)", d.name, d.v)
 		}
 	}
-	if cfg.MaxHeaderBytes < 0 {
-		return fmt.Errorf("max_header_bytes %d: want a positive size (0 for the default)", cfg.MaxHeaderBytes)
+	for _, s := range []struct {
+		name string
+		v    int64
+	}{{"max_header_bytes", int64(cfg.MaxHeaderBytes)}, {"max_request_body", cfg.Defaults.MaxRequestBody},
+		{"max_response_body", cfg.Defaults.MaxResponseBody}} {
+		if s.v < 0 {
+			return fmt.Errorf("%s %d: want a positive size (0 for the default)", s.name, s.v)
+		}
+	}
+	if cfg.MaxHeaderBytes > MaxHeaderBytesLimit {
+		return fmt.Errorf("max_header_bytes %d: want at most %d (1 GiB)", cfg.MaxHeaderBytes, MaxHeaderBytesLimit)
 	}
 	return nil
 }
