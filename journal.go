@@ -16,6 +16,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/idemhq/idem/store"
 )
 
 // journal keeps the settling writes ([FinishParams]) that the store could not
@@ -48,6 +50,10 @@ type journalEntry struct {
 	V           int          `json:"v"`
 	Params      FinishParams `json:"params"`
 	Fingerprint Fingerprint  `json:"fingerprint"`
+	// Store is the ID of the store the entry is for ([store.Identifier]),
+	// or "" when that store has none (or the entry was written before
+	// entries named their store). Only an engine on that store sends it.
+	Store string `json:"store,omitempty"`
 	// Until is, for the release of an acquire whose answer was lost, when
 	// that acquire's lease would have ended. The acquire may still land
 	// (its statement held up in the store), so a release that finds no
@@ -73,6 +79,7 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idem: journal: %w", err)
 	}
+	others := 0
 	for _, path := range names {
 		name := filepath.Base(path)
 		if strings.HasSuffix(name, ".tmp") {
@@ -99,8 +106,16 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 				"file", path, "err", err, "version", ent.V)
 			continue
 		}
+		if j.foreign(&ent) {
+			others++
+			continue
+		}
 		ent.name = name
 		j.add(&ent)
+	}
+	if others > 0 {
+		e.log.Warn("idem journal: outcomes for another store are left in the directory, for an engine on that store to store",
+			"entries", others, "dir", dir)
 	}
 	if len(j.entries) > 0 {
 		e.log.Warn("idem journal: storing outcomes a previous run could not store", "entries", len(j.entries), "dir", dir)
@@ -109,6 +124,25 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 		j.mu.Unlock()
 	}
 	return j, nil
+}
+
+// foreign reports whether ent is another store's outcome, in a directory
+// shared by engines on several stores: this store holds no record of it, so
+// sending it here would be refused, and the entry dropped with the outcome.
+// It is left in the directory for an engine on its store. An entry that
+// names no store (written by a store that names none, or before entries
+// named their store) is anyone's; a store that cannot name itself yet (one
+// that has not opened) is asked again later.
+func (j *journal) foreign(ent *journalEntry) bool {
+	if ent.Store == "" {
+		return false
+	}
+	id, ok := j.e.store.(store.Identifier)
+	if !ok {
+		return true
+	}
+	name := id.ID()
+	return name != "" && name != ent.Store
 }
 
 // add indexes an entry; the caller holds mu or owns j alone.
@@ -140,7 +174,7 @@ func entryName(p FinishParams) string {
 // until is, for a release, when the released acquire's lease ends (zero
 // otherwise).
 func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
-	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, name: entryName(p)}
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Store: store.ID(j.e.store), Until: until, name: entryName(p)}
 	j.mu.Lock()
 	closed := j.closed
 	j.mu.Unlock()
@@ -320,6 +354,12 @@ func (j *journal) round() (empty bool) {
 // could not be reached.
 func (j *journal) land(ent *journalEntry) bool {
 	p := ent.Params
+	if j.foreign(ent) { // read before the store could name itself
+		j.e.log.Warn("idem journal: an outcome for another store is left in the directory, for an engine on that store to store",
+			"file", ent.name)
+		j.forget(ent)
+		return true
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
 	err := unanswered(ctx, j.e.store.Finish(ctx, p))
 	cancel()
@@ -363,6 +403,11 @@ func (j *journal) remove(ent *journalEntry) {
 			j.e.log.Error("idem journal: cannot remove a stored entry; it will be sent again, harmlessly", "file", ent.name, "err", err)
 		}
 	}
+	j.forget(ent)
+}
+
+// forget drops ent from memory, leaving its file.
+func (j *journal) forget(ent *journalEntry) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	delete(j.entries, ent.name)

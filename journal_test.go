@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -173,5 +174,69 @@ func TestWaitersWokenByAJournaledOutcome(t *testing.T) {
 	}
 	if o := wait.Recv(t, got, 10*time.Second, "the duplicate's answer"); o.Decision != idem.Replay || string(o.Record.Response.Body) != "charged" {
 		t.Fatalf("the duplicate got %v %+v; want the replay of the kept outcome", o.Decision, o.Record.Response)
+	}
+}
+
+// openingStore is a store that cannot name itself until it opens, and
+// answers nothing until then, as idem proxy's store whose server was away
+// at start.
+type openingStore struct {
+	idem.Store
+	name atomic.Pointer[string]
+}
+
+func (s *openingStore) ID() string {
+	if n := s.name.Load(); n != nil {
+		return *n
+	}
+	return ""
+}
+
+func (s *openingStore) Finish(ctx context.Context, p store.FinishParams) error {
+	if s.name.Load() == nil {
+		return idem.ErrUnavailable
+	}
+	return s.Store.Finish(ctx, p)
+}
+
+// TestJournalEntryOfAnotherStoreIsLeft: an engine whose store had not
+// opened yet read another store's entry from a shared directory; once its
+// store opens and names itself, the entry is left in the directory, not
+// sent (its store would refuse it, and the entry would be dropped with the
+// outcome it keeps).
+func TestJournalEntryOfAnotherStoreIsLeft(t *testing.T) {
+	dir := t.TempDir()
+	other := &openingStore{Store: finishDownStore{memstore.New()}}
+	name := "store-a"
+	other.name.Store(&name)
+	a, err := idem.New(idem.Config{Store: other, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := a.Begin(context.Background(), idem.BeginParams{Key: "k", Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST"})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Complete(context.Background(), out.Lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatalf("Complete: %v; want the outcome kept in the journal", err)
+	}
+	stop, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	a.Close(stop)
+	cancel()
+
+	opening := &openingStore{Store: memstore.New()}
+	b, err := idem.New(idem.Config{Store: opening, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	name2 := "store-b"
+	opening.name.Store(&name2) // it opens
+	stop, cancel = context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := b.Close(stop); err != nil {
+		t.Fatalf("B's close: %v; want the other store's entry left, nothing of its own", err)
+	}
+	if files, _ := filepath.Glob(filepath.Join(dir, "*.json")); len(files) != 1 {
+		t.Fatalf("%d entries in the directory; want the other store's left", len(files))
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
+	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/storetest"
 )
@@ -1364,4 +1365,77 @@ func TestMigrationLetsTrafficThrough(t *testing.T) {
 	if err := wait.Recv(t, started, 30*time.Second, "New, once the transaction ended"); err != nil {
 		t.Fatalf("New: %v", err)
 	}
+}
+
+// TestJournalLeavesAnotherStoresOutcome: two engines on two stores share a
+// journal directory (the default, relative idem-journal, of two proxies
+// started in one directory). A's outcome waits there while PostgreSQL is
+// cut off, and A stops. B, on another store, read the entry at its start,
+// sent it to its own store, which had no such record, took the refusal for
+// "settled by someone else" and deleted the file: the outcome A's client
+// had been given was lost, and the record stayed IN_PROGRESS. B leaves it,
+// and A's next start stores it.
+func TestJournalLeavesAnotherStoresOutcome(t *testing.T) {
+	_, schema := newStore(t)
+	server, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fault, err := faultnet.Listen(net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fault.Close()
+	cfg := server.Copy()
+	host, port, _ := net.SplitHostPort(fault.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	a, err := idem.New(idem.Config{Store: s, StoreTimeout: time.Second, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := a.Begin(ctx, idem.BeginParams{Scope: "tenant", Key: "pay-77", Fingerprint: fp("a")})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin: %v, %v", out.Decision, err)
+	}
+	end := fault.Outage()
+	if err := a.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_36"}`)}); err != nil {
+		t.Fatalf("Complete while the store is cut off: %v; want the outcome kept in the journal", err)
+	}
+	stop, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	a.Close(stop) // a process that stops with the outcome still waiting
+	cancel()
+
+	b, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, cancel = context.WithTimeout(ctx, 5*time.Second)
+	if err := b.Close(stop); err != nil {
+		t.Fatalf("B's close: %v; want nothing left for its own store", err)
+	}
+	cancel()
+	if files, _ := filepath.Glob(filepath.Join(dir, "*.json")); len(files) != 1 {
+		t.Fatalf("%d entries in the directory after B ran; want A's outcome left there", len(files))
+	}
+
+	end()
+	a, err = idem.New(idem.Config{Store: s, StoreTimeout: time.Second, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close(ctx)
+	wait.Until(t, 20*time.Second, "A's next start to store the outcome its client was given", func() bool {
+		return countRows(t, sharedPool(t), `SELECT count(*) FROM `+table(schema, "records")+` WHERE key = 'pay-77' AND state = 'completed'`) == 1
+	})
 }
