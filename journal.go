@@ -137,11 +137,10 @@ func (j *journal) foreign(ent *journalEntry) bool {
 	if ent.Store == "" {
 		return false
 	}
-	id, ok := j.e.store.(store.Identifier)
+	name, ok := store.ID(j.e.store)
 	if !ok {
 		return true
 	}
-	name := id.ID()
 	return name != "" && name != ent.Store
 }
 
@@ -174,7 +173,8 @@ func entryName(p FinishParams) string {
 // until is, for a release, when the released acquire's lease ends (zero
 // otherwise).
 func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
-	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Store: store.ID(j.e.store), Until: until, name: entryName(p)}
+	id, _ := store.ID(j.e.store)
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Store: id, Until: until, name: entryName(p)}
 	j.mu.Lock()
 	closed := j.closed
 	j.mu.Unlock()

@@ -107,12 +107,20 @@ type Identifier interface {
 	ID() string
 }
 
-// ID is s's Identifier's ID, or "" when s has none.
-func ID(s Store) string {
-	if i, ok := s.(Identifier); ok {
-		return i.ID()
+// ID is the ID of s, or of the store it wraps (a store with an Unwrap()
+// Store method, such as a measuring wrapper), and whether one of them is
+// an [Identifier].
+func ID(s Store) (id string, ok bool) {
+	for {
+		if i, ok := s.(Identifier); ok {
+			return i.ID(), true
+		}
+		u, ok := s.(interface{ Unwrap() Store })
+		if !ok {
+			return "", false
+		}
+		s = u.Unwrap()
 	}
-	return ""
 }
 
 // Durability is what a crash of a store's server would cost, as far as the

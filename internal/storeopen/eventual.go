@@ -274,7 +274,8 @@ func (e *eventual) ID() string {
 	if e.opened == nil {
 		return ""
 	}
-	return store.ID(e.opened.Store)
+	id, _ := store.ID(e.opened.Store)
+	return id
 }
 
 // maxBodyOf is the body limit of a store kind that may open eventually.
