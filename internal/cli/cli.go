@@ -194,7 +194,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		}
 	}()
 	health := watchHealth(ctx, eng, opened, tel, log)
-	con, err := newConsole(eng, tel, cfg.AdminToken, cfg.ConsoleReadOnly, cfg.ConsoleMask, cfg.AuditLog, log)
+	con, err := newConsole(eng, tel, console.Config{Token: cfg.AdminToken, ReadOnly: cfg.ConsoleReadOnly, Mask: cfg.ConsoleMask, Remote: cfg.ConsoleRemote}, cfg.AuditLog, log)
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
@@ -206,14 +206,16 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	return 0
 }
 
-// newConsole makes the operator console of a server, on its telemetry's
-// counters; auditPath "" keeps the audit log in memory.
-func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, token string, readOnly, mask bool, auditPath string, log *slog.Logger) (*console.Console, error) {
+// newConsole makes the operator console of a server, as cfg says, on its
+// engine and its telemetry's counters; auditPath "" keeps the audit log in
+// memory.
+func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, cfg console.Config, auditPath string, log *slog.Logger) (*console.Console, error) {
 	audit, err := console.OpenAudit(auditPath)
 	if err != nil {
 		return nil, err
 	}
-	return console.New(console.Config{Engine: eng, Counts: tel.Counts, Token: token, ReadOnly: readOnly, Mask: mask, Audit: audit, Logger: log})
+	cfg.Engine, cfg.Counts, cfg.Audit, cfg.Logger = eng, tel.Counts, audit, log
+	return console.New(cfg)
 }
 
 // healthEvery is how often a server looks at its store's health.

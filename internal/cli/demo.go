@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/payments"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
@@ -121,7 +122,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	if *admin != "" {
 		made := *token == ""
 		secret := cmp.Or(*token, rand.Text())
-		con, err := newConsole(eng, tel, secret, false, false, *auditLog, log)
+		con, err := newConsole(eng, tel, console.Config{Token: secret}, *auditLog, log)
 		if err != nil {
 			return failed(err)
 		}

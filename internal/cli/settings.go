@@ -71,6 +71,7 @@ var settingHelp = map[string]string{
 	"store_headers":       "store and replay only these response `header`s (repeatable)",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
+	"console_remote":      "serve the console to connections from other machines than this one (its pages show stored outcomes and need no token; by default: loopback only, through an SSH tunnel or kubectl port-forward)",
 	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read or access refused)",
 }
 

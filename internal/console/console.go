@@ -10,7 +10,11 @@
 // is always text. Every action is a POST that carries the admin token,
 // compared in constant time, and comes from the console's own origin; no
 // GET changes anything. Without a token the console is off, unless it is
-// asked for read-only.
+// asked for read-only. Its pages show stored outcomes to whoever reaches
+// them, so it answers only connections from loopback (an SSH tunnel,
+// kubectl port-forward), unless told otherwise (Config.Remote): an admin
+// listener on every interface, for a platform's health probes, does not
+// publish it.
 package console
 
 import (
@@ -56,6 +60,9 @@ type Config struct {
 	Token string
 	// ReadOnly serves the console without any action, token or not.
 	ReadOnly bool
+	// Remote serves the console to connections from addresses other than
+	// loopback. Its pages need no token.
+	Remote bool
 	// Mask hides keys (only their first characters are shown), stored
 	// bodies, header values and checkpoint data, from pages and links; the
 	// listing then has no key filter.
@@ -157,11 +164,27 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"something else: a DNS rebinding, or a name the console does not know).", http.StatusMisdirectedRequest)
 		return
 	}
+	if !c.cfg.Remote && !loopback(r.RemoteAddr) {
+		http.Error(w, "The console answers only connections from this machine (loopback): reach it through an SSH tunnel "+
+			"or kubectl port-forward, or set console_remote to serve it to the network (its pages show stored outcomes, "+
+			"and need no token).", http.StatusForbidden)
+		return
+	}
 	if c.Mode() == "off" && !strings.HasPrefix(r.URL.Path, "/console/assets/") {
 		c.render(w, http.StatusForbidden, "off", nil)
 		return
 	}
 	c.mux.ServeHTTP(w, r)
+}
+
+// loopback reports whether a connection's remote address is on loopback.
+func loopback(remote string) bool {
+	host, _, err := net.SplitHostPort(remote)
+	if err != nil {
+		host = remote
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // localHost reports whether host (a Host header) is an IP address or

@@ -682,3 +682,39 @@ func TestOverviewAnswersWhileTheStoreHangs(t *testing.T) {
 		t.Fatalf("the overview while the store hangs: %d %s; want it, with the count's error", res.StatusCode, b)
 	}
 }
+
+// TestConsoleAnswersLoopbackOnly: an admin listener on every interface (the
+// Kubernetes example's, for its health probes) served the console's pages,
+// stored payment responses included, to anyone who could reach the pod,
+// token or not (the token guards actions only). The console answers only
+// connections from loopback unless it is told to serve the network.
+func TestConsoleAnswersLoopbackOnly(t *testing.T) {
+	t.Parallel()
+	eng, err := idem.New(idem.Config{Store: memstore.New()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close(context.Background())
+	for _, c := range []struct {
+		remote bool
+		from   string
+		want   int
+	}{
+		{false, "10.1.2.3:40000", http.StatusForbidden},
+		{false, "127.0.0.1:40000", http.StatusOK},
+		{false, "[::1]:40000", http.StatusOK},
+		{true, "10.1.2.3:40000", http.StatusOK},
+	} {
+		con, err := console.New(console.Config{Engine: eng, ReadOnly: true, Remote: c.remote, Logger: quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := httptest.NewRequest("GET", "http://10.1.2.3:9090/console/", nil)
+		r.RemoteAddr = c.from
+		w := httptest.NewRecorder()
+		con.ServeHTTP(w, r)
+		if w.Code != c.want {
+			t.Errorf("remote %v, a connection from %s: %d; want %d", c.remote, c.from, w.Code, c.want)
+		}
+	}
+}

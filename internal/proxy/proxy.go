@@ -131,6 +131,9 @@ type Config struct {
 	ConsoleReadOnly bool `yaml:"console_read_only"`
 	// ConsoleMask hides keys and stored bodies in the console.
 	ConsoleMask bool `yaml:"console_mask"`
+	// ConsoleRemote serves the console to connections from addresses other
+	// than loopback (its pages need no token). Defaults to loopback only.
+	ConsoleRemote bool `yaml:"console_remote"`
 	// AuditLog is the file the console's actions are appended to. Defaults
 	// to none: the audit log is kept in memory only.
 	AuditLog string `yaml:"audit_log"`
