@@ -393,6 +393,15 @@ func (rs fileRoutes) decode(cfg *proxy.Config) error {
 	return nil
 }
 
+// requestSetting reports whether key names a setting of requests (a
+// route's, httpidem.Config's), which a file gives under defaults or routes.
+func requestSetting(key string) bool {
+	fields := map[string]reflect.Value{}
+	yamlFields(reflect.ValueOf(&proxy.Route{}).Elem(), fields)
+	_, ok := fields[key]
+	return ok
+}
+
 // decodeNode reads n into v (named name in errors): a mapping into a
 // struct by the fields' YAML names, a list or a comma-separated scalar into
 // a list, and any other scalar by parseValue.
@@ -427,6 +436,9 @@ func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
 			case !ok && name == "defaults" && (key == "lease" || key == "retention"):
 				return fmt.Errorf("line %d: %s is not a setting of defaults: write it at the top level (--%s, IDEM_%s), or in a route under routes",
 					n.Content[i].Line, key, key, strings.ToUpper(key))
+			case !ok && name == "the file" && requestSetting(key):
+				return fmt.Errorf("line %d: %s is a setting of requests, not of the file: write it under defaults: (every route) or in a route under routes",
+					n.Content[i].Line, key)
 			case !ok:
 				known := slices.Sorted(maps.Keys(fields))
 				return fmt.Errorf("line %d: %s is not a setting of %s (its settings: %s)", n.Content[i].Line, key, name, strings.Join(known, ", "))
