@@ -188,8 +188,19 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	if err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
+	listened := false
 	defer func() {
-		if !closeEngine(stop.Begin(), eng, log) && code == 0 {
+		ctx := stop.Begin()
+		if !listened {
+			// It never served (its address taken, say): nothing of this run
+			// waits, and what the journal read stays on disk for the next
+			// start. Waiting the shutdown's whole deadline for a store that
+			// cannot be reached held a failed start 75 s.
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, neverServedClose)
+			defer cancel()
+		}
+		if !closeEngine(ctx, eng, log) && code == 0 {
 			code = 1 // work left: the last log line says what
 		}
 	}()
@@ -199,7 +210,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 		return fail(stderr, "idem proxy", err)
 	}
 	hooks := proxy.Hooks{Observe: tel.Observe, Wrap: tel.Wrap, Metrics: tel.Metrics(), Console: con}
-	served := proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, nil)
+	served := proxy.Serve(ctx, stop, cfg, eng, health, log, hooks, func(string, string) { listened = true })
 	if err := proxy.Failure(served); err != nil {
 		return fail(stderr, "idem proxy", err)
 	}
@@ -217,6 +228,9 @@ func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, cfg console.Config, 
 	cfg.Engine, cfg.Counts, cfg.Audit, cfg.Logger = eng, tel.Counts, audit, log
 	return console.New(cfg)
 }
+
+// neverServedClose bounds the engine's close in a proxy that never listened.
+const neverServedClose = time.Second
 
 // healthEvery is how often a server looks at its store's health.
 const healthEvery = 10 * time.Second

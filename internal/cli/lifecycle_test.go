@@ -20,6 +20,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/wait"
+	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
 
@@ -567,5 +568,71 @@ func TestOpenStreamAtStopIsNotWorkLeft(t *testing.T) {
 	err = exited(t, p, 20*time.Second)
 	if err != nil || !p.logs.has("stopped: every outcome is stored") {
 		t.Fatalf("a stop that closed an unkeyed stream: exit %v, logs %q; want status 0, every outcome stored", err, p.logs.lines)
+	}
+}
+
+// finishDown is a store that takes no outcome (its Finish finds the store
+// unreachable) and names no store, so the outcome it leaves in a journal
+// is anyone's.
+type finishDown struct{ idem.Store }
+
+func (finishDown) Finish(context.Context, idem.FinishParams) error { return idem.ErrUnavailable }
+
+// TestFailedStartDoesNotWaitForTheStore: a proxy whose address is taken
+// never serves; its journal holds an outcome from an earlier run, and its
+// store cannot be reached. It waited the whole shutdown deadline (75 s)
+// trying to store the outcome before it exited; the outcome stays on disk
+// for the next start whatever it does, so it exits at once.
+func TestFailedStartDoesNotWaitForTheStore(t *testing.T) {
+	journal := filepath.Join(t.TempDir(), "journal")
+	eng, err := idem.New(idem.Config{Store: finishDown{memstore.New()}, JournalDir: journal, StoreTimeout: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(context.Background(), idem.BeginParams{Key: "k", Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST"})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := eng.Complete(context.Background(), out.Lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatal(err)
+	}
+	stop, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	eng.Close(stop)
+	cancel()
+
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	noStore := closed.Addr().String()
+	closed.Close()
+	cmd := exec.Command(idemBin, "proxy", "--listen", taken.Addr().String(), "--upstream", "http://127.0.0.1:9",
+		"--store", "postgres://postgres@"+noStore+"/test?sslmode=disable", "--journal-dir", journal)
+	began := time.Now()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+			t.Fatalf("a proxy whose address is taken: %v; want exit status 1", err)
+		}
+		if took := time.Since(began); took > 10*time.Second {
+			t.Fatalf("it exited after %v; want at once", took)
+		}
+	case <-time.After(30 * time.Second):
+		cmd.Process.Kill()
+		t.Fatal("a proxy whose address is taken still ran 30 s after it started")
+	}
+	if files, _ := filepath.Glob(filepath.Join(journal, "*.json")); len(files) != 1 {
+		t.Fatalf("%d entries in the journal after the failed start; want the earlier run's outcome kept", len(files))
 	}
 }
