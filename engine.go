@@ -402,11 +402,13 @@ func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention ti
 		TakeoverSafe: p.TakeoverSafe,
 	}
 	var rec Record
+	sent := false
 	err = e.retry(ctx, func(ctx context.Context) (err error) {
 		rec, err = e.store.Acquire(ctx, ap)
+		sent = sent || !errors.Is(err, store.ErrNotSent)
 		return err
 	})
-	if errors.Is(err, ErrUnavailable) {
+	if errors.Is(err, ErrUnavailable) && sent {
 		// The acquire may have landed: release the record if it did.
 		e.journal.put(FinishParams{Scope: p.Scope, Key: p.Key, Token: token, Now: now, State: StateFailed,
 			Expires: now.Add(retention), Repeat: true}, p.Fingerprint, ap.LeaseExpires)

@@ -69,6 +69,10 @@ var (
 	// never a reason to fail open, since the store, reached, may hold the
 	// record.
 	ErrDenied = errors.New("idem: store refused access")
+	// ErrNotSent: the call never left the process (the store has not
+	// opened yet), so it did nothing. Stores wrap it together with
+	// [ErrUnavailable]; the engine then has no acquire to release.
+	ErrNotSent = errors.New("idem: the call was not sent to the store")
 )
 
 // Denied is err, a store's refusal of the caller's credentials or

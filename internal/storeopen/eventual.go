@@ -140,7 +140,7 @@ func (e *eventual) store() (*Opened, error) {
 		e.opening, e.last = true, time.Now()
 		go e.open()
 	}
-	return nil, e.lastErr
+	return nil, fmt.Errorf("%w (%w)", e.lastErr, store.ErrNotSent)
 }
 
 // open makes one attempt to open the store, out of every caller's way.

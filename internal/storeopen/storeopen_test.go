@@ -3,6 +3,8 @@ package storeopen_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -248,5 +250,44 @@ func TestStoreCallsEndWithTheirDeadline(t *testing.T) {
 				t.Fatalf("Get with a %v deadline while the server does not answer: %v after %v; want an error by the deadline", deadline, err, took)
 			}
 		})
+	}
+}
+
+// TestNothingToReleaseWhenTheStoreNeverOpened: a request refused because the
+// store has not opened (its server down since the start) sent nothing to
+// it, so there is no acquire to release. Each such request wrote a release
+// to the journal, synced, for a later start to send: 200 files for 200
+// refused requests, read as outcomes owed to the store.
+func TestNothingToReleaseWhenTheStoreNeverOpened(t *testing.T) {
+	ctx := context.Background()
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := closed.Addr().String()
+	closed.Close()
+	o, err := storeopen.OpenEventually(ctx, "postgres://postgres@"+down+"/test?sslmode=disable&connect_timeout=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	dir := t.TempDir()
+	eng, err := idem.New(idem.Config{Store: o.Store, JournalDir: dir, StoreTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		stop, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		eng.Close(stop) // bounded: what the journal holds waits for a store that never comes
+	}()
+	for i := range 3 {
+		_, err := eng.Begin(ctx, idem.BeginParams{Key: fmt.Sprint("k", i), Fingerprint: idem.NewFingerprint(idem.Payload{Method: "POST"})})
+		if !errors.Is(err, idem.ErrUnavailable) {
+			t.Fatalf("Begin while the store has not opened: %v; want ErrUnavailable", err)
+		}
+	}
+	if files, _ := filepath.Glob(filepath.Join(dir, "*")); len(files) != 0 {
+		t.Fatalf("%d files in the journal; want none: nothing was sent to the store", len(files))
 	}
 }
