@@ -644,6 +644,7 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 			switch {
 			case a != nil && a.sent.Load() && covered:
 				httpidem.OutcomeUnknown(r)
+				problem.Detail = "the upstream took the request and did not answer: its outcome is unknown until reconciled, and a retry with the same key says so"
 				log.Warn("upstream took the request but gave no response: outcome unknown until reconciled", "err", err)
 			case a != nil && a.sent.Load():
 				if !safeMethod(r.Method) { // no key covered it: nothing makes a retry safe
@@ -653,6 +654,7 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 				log.Warn("upstream took a request idempotency did not cover and gave no response: it may have run", "err", err)
 			case covered:
 				httpidem.NothingHappened(r)
+				problem.Detail = "the upstream could not be reached: the request was not sent, and a retry with the same key runs it"
 				log.Warn("upstream unreachable: request not sent, key released for its retry", "err", err)
 			default:
 				log.Warn("upstream unreachable: request not sent", "err", err)

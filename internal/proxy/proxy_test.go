@@ -172,8 +172,8 @@ func TestUpstreamRefusedReleasesKey(t *testing.T) {
 	eng := mustEngine(t, memstore.New())
 	srv := start(t, proxy.Config{Upstream: closed}, eng, http.NotFoundHandler())
 	for fence := int64(1); fence <= 2; fence++ {
-		if r := post(t, srv, "/pay", "k", "x"); r.status != 502 {
-			t.Fatalf("refused upstream: %d %q", r.status, r.body)
+		if r := post(t, srv, "/pay", "k", "x"); r.status != 502 || !strings.Contains(r.body, "the request was not sent") {
+			t.Fatalf("refused upstream: %d %q; want 502 saying the request was not sent", r.status, r.body)
 		}
 		rec, err := eng.Get(context.Background(), "", "k")
 		if err != nil || rec.State != idem.StateFailed || rec.Fence != fence {
@@ -192,8 +192,8 @@ func TestUpstreamSilentAfterRequestIsUncertain(t *testing.T) {
 		}
 	}}
 	srv := start(t, proxy.Config{}, eng, up)
-	if r := post(t, srv, "/pay", "k", "x"); r.status != 502 {
-		t.Fatalf("first: %d", r.status)
+	if r := post(t, srv, "/pay", "k", "x"); r.status != 502 || !strings.Contains(r.body, "its outcome is unknown") {
+		t.Fatalf("first: %d %q; want 502 saying its outcome is unknown", r.status, r.body)
 	}
 	if r := post(t, srv, "/pay", "k", "x"); r.status != 409 || r.typ != httpidem.ProblemUncertain {
 		t.Fatalf("retry: %d %q, want 409 operation-uncertain", r.status, r.typ)
