@@ -1206,6 +1206,36 @@ func (s observedFinish) Finish(ctx context.Context, p store.FinishParams) error 
 	return err
 }
 
+// faultedStore returns a store on a schema of its own whose pool reaches
+// PostgreSQL through a TCP fault proxy, and the proxy.
+func faultedStore(t *testing.T) (*pgstore.Store, string, *faultnet.Proxy) {
+	t.Helper()
+	_, schema := newStore(t)
+	server, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fault, err := faultnet.Listen(net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fault.Close() })
+	cfg := server.Copy()
+	host, port, _ := net.SplitHostPort(fault.Addr())
+	p, _ := strconv.Atoi(port)
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, schema, fault
+}
+
 // TestReleaseOutlastsALateAcquire: an acquire that reached PostgreSQL but
 // whose answer never came back (its connection cut while it waited on
 // another transaction's insert of the same key; a commit waiting on a
@@ -1218,29 +1248,7 @@ func (s observedFinish) Finish(ctx context.Context, p store.FinishParams) error 
 // until a reconciler came. The release is now sent again until the
 // acquire's lease would have ended.
 func TestReleaseOutlastsALateAcquire(t *testing.T) {
-	_, schema := newStore(t)
-	server, err := pgxpool.ParseConfig(databaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	fault, err := faultnet.Listen(net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fault.Close()
-	cfg := server.Copy()
-	host, port, _ := net.SplitHostPort(fault.Addr())
-	p, _ := strconv.Atoi(port)
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, schema, fault := faultedStore(t)
 	obs := observedFinish{Store: s, finished: make(chan error, 64)}
 	eng, err := idem.New(idem.Config{Store: obs, StoreTimeout: time.Second})
 	if err != nil {
@@ -1376,29 +1384,7 @@ func TestMigrationLetsTrafficThrough(t *testing.T) {
 // had been given was lost, and the record stayed IN_PROGRESS. B leaves it,
 // and A's next start stores it.
 func TestJournalLeavesAnotherStoresOutcome(t *testing.T) {
-	_, schema := newStore(t)
-	server, err := pgxpool.ParseConfig(databaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	fault, err := faultnet.Listen(net.JoinHostPort(server.ConnConfig.Host, strconv.Itoa(int(server.ConnConfig.Port))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fault.Close()
-	cfg := server.Copy()
-	host, port, _ := net.SplitHostPort(fault.Addr())
-	p, _ := strconv.Atoi(port)
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema, NoMigrate: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, schema, fault := faultedStore(t)
 	dir := t.TempDir()
 	a, err := idem.New(idem.Config{Store: s, StoreTimeout: time.Second, JournalDir: dir})
 	if err != nil {
