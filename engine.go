@@ -69,10 +69,10 @@ type Config struct {
 	// (it was unreachable when the work finished) wait, each in a file
 	// synced to disk, until the engine stores them; an engine opened on the
 	// directory after a crash stores what it finds there. Several engines,
-	// in several processes, may share one directory; where their stores
-	// differ, each stores only the entries of its own, if its store names
-	// the records it keeps ([store.Identifier]: every store of this module
-	// does). Defaults to "": such
+	// in several processes, may share one directory, on one store or on
+	// several: an outcome whose store holds no record of it is left in the
+	// directory (for the engine of its store) until its retention ends.
+	// Defaults to "": such
 	// outcomes wait in memory, and a crash of the process loses them (the
 	// record is then left to the reconciler).
 	JournalDir string `yaml:"journal_dir"`

@@ -50,10 +50,6 @@ type journalEntry struct {
 	V           int          `json:"v"`
 	Params      FinishParams `json:"params"`
 	Fingerprint Fingerprint  `json:"fingerprint"`
-	// Store is the ID of the store the entry is for ([store.Identifier]),
-	// or "" when that store has none (or the entry was written before
-	// entries named their store). Only an engine on that store sends it.
-	Store string `json:"store,omitempty"`
 	// Until is, for the release of an acquire whose answer was lost, when
 	// that acquire's lease would have ended. The acquire may still land
 	// (its statement held up in the store), so a release that finds no
@@ -79,7 +75,6 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idem: journal: %w", err)
 	}
-	others := 0
 	for _, path := range names {
 		name := filepath.Base(path)
 		if strings.HasSuffix(name, ".tmp") {
@@ -106,16 +101,8 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 				"file", path, "err", err, "version", ent.V)
 			continue
 		}
-		if j.foreign(&ent) {
-			others++
-			continue
-		}
 		ent.name = name
 		j.add(&ent)
-	}
-	if others > 0 {
-		e.log.Warn("idem journal: outcomes for another store are left in the directory, for an engine on that store to store",
-			"entries", others, "dir", dir)
 	}
 	if len(j.entries) > 0 {
 		e.log.Warn("idem journal: storing outcomes a previous run could not store", "entries", len(j.entries), "dir", dir)
@@ -124,24 +111,6 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 		j.mu.Unlock()
 	}
 	return j, nil
-}
-
-// foreign reports whether ent is another store's outcome, in a directory
-// shared by engines on several stores: this store holds no record of it, so
-// sending it here would be refused, and the entry dropped with the outcome.
-// It is left in the directory for an engine on its store. An entry that
-// names no store (written by a store that names none, or before entries
-// named their store) is anyone's; a store that cannot name itself yet (one
-// that has not opened) is asked again later.
-func (j *journal) foreign(ent *journalEntry) bool {
-	if ent.Store == "" {
-		return false
-	}
-	name, ok := store.ID(j.e.store)
-	if !ok {
-		return true
-	}
-	return name != "" && name != ent.Store
 }
 
 // add indexes an entry; the caller holds mu or owns j alone.
@@ -173,8 +142,7 @@ func entryName(p FinishParams) string {
 // until is, for a release, when the released acquire's lease ends (zero
 // otherwise).
 func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
-	id, _ := store.ID(j.e.store)
-	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Store: id, Until: until, name: entryName(p)}
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, name: entryName(p)}
 	j.mu.Lock()
 	closed := j.closed
 	j.mu.Unlock()
@@ -354,12 +322,6 @@ func (j *journal) round() (empty bool) {
 // could not be reached.
 func (j *journal) land(ent *journalEntry) bool {
 	p := ent.Params
-	if j.foreign(ent) { // read before the store could name itself
-		j.e.log.Warn("idem journal: an outcome for another store is left in the directory, for an engine on that store to store",
-			"file", ent.name)
-		j.forget(ent)
-		return true
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
 	err := unanswered(ctx, j.e.store.Finish(ctx, p))
 	cancel()
@@ -388,6 +350,27 @@ func (j *journal) land(ent *journalEntry) bool {
 		// taken over or marked UNKNOWN by now, for the reconciler.
 	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted && j.e.adopt(context.Background(), Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
 		log.Info("idem journal: the record was settled meanwhile with the same outcome")
+	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted:
+		switch held, gerr := j.holds(p); {
+		case gerr != nil:
+			return false // the store is away again: try later
+		case !held && j.e.clock.Now().Before(p.Expires):
+			// The store holds no record of the key: the entry is another
+			// store's, in a directory shared by engines on several stores
+			// (it reached the directory from an engine whose store was
+			// away), or its record was deleted by hand. Dropping it would
+			// lose the outcome its client was given, if it is another
+			// store's: it stays in the directory, for the engine of its
+			// store, until its retention ends.
+			log.Warn("idem journal: this store holds no record of an outcome that waits in the journal (another store's?); it is left in the directory until its retention ends",
+				"file", ent.name, "until", p.Expires)
+			j.forget(ent)
+			return true
+		case !held:
+			log.Warn("idem journal: this store holds no record of an outcome that waited in the journal, and its retention has ended: dropped")
+		default:
+			log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
+		}
 	case errors.Is(err, ErrLeaseLost):
 		log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
 	default:
@@ -395,6 +378,21 @@ func (j *journal) land(ent *journalEntry) bool {
 	}
 	j.remove(ent)
 	return true
+}
+
+// holds reports whether the store holds a live record under p's scope and
+// key; the error is the store's when it could not tell.
+func (j *journal) holds(p FinishParams) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
+	defer cancel()
+	_, err := j.e.store.Get(ctx, store.GetParams{Scope: p.Scope, Key: p.Key, Now: j.e.clock.Now()})
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, ErrNotFound):
+		return false, nil
+	}
+	return false, err
 }
 
 func (j *journal) remove(ent *journalEntry) {

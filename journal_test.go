@@ -5,7 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // modalStore answers each settling write by its state as the test says:
@@ -177,39 +177,15 @@ func TestWaitersWokenByAJournaledOutcome(t *testing.T) {
 	}
 }
 
-// openingStore is a store that cannot name itself until it opens, and
-// answers nothing until then, as idem proxy's store whose server was away
-// at start.
-type openingStore struct {
-	idem.Store
-	name atomic.Pointer[string]
-}
-
-func (s *openingStore) ID() string {
-	if n := s.name.Load(); n != nil {
-		return *n
-	}
-	return ""
-}
-
-func (s *openingStore) Finish(ctx context.Context, p store.FinishParams) error {
-	if s.name.Load() == nil {
-		return idem.ErrUnavailable
-	}
-	return s.Store.Finish(ctx, p)
-}
-
-// TestJournalEntryOfAnotherStoreIsLeft: an engine whose store had not
-// opened yet read another store's entry from a shared directory; once its
-// store opens and names itself, the entry is left in the directory, not
-// sent (its store would refuse it, and the entry would be dropped with the
-// outcome it keeps).
-func TestJournalEntryOfAnotherStoreIsLeft(t *testing.T) {
+// TestJournalLeavesAnOutcomeItsStoreDoesNotHold: an engine opened on a
+// directory that another engine, on another store, shares finds an
+// outcome its own store holds no record of. It sent it, was refused, took
+// the refusal for "settled by someone else" and deleted the file, with the
+// outcome the other engine's client had been given. The entry stays in the
+// directory until its retention ends; then it goes.
+func TestJournalLeavesAnOutcomeItsStoreDoesNotHold(t *testing.T) {
 	dir := t.TempDir()
-	other := &openingStore{Store: finishDownStore{memstore.New()}}
-	name := "store-a"
-	other.name.Store(&name)
-	a, err := idem.New(idem.Config{Store: other, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
+	a, err := idem.New(idem.Config{Store: finishDownStore{memstore.New()}, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,20 +199,34 @@ func TestJournalEntryOfAnotherStoreIsLeft(t *testing.T) {
 	stop, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	a.Close(stop)
 	cancel()
+	entries := func() int {
+		files, _ := filepath.Glob(filepath.Join(dir, "*.json"))
+		return len(files)
+	}
 
-	opening := &openingStore{Store: memstore.New()}
-	b, err := idem.New(idem.Config{Store: opening, JournalDir: dir})
+	clock := storetest.NewClock(time.Now())
+	b, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: dir, Clock: clock})
 	if err != nil {
 		t.Fatal(err)
 	}
-	name2 := "store-b"
-	opening.name.Store(&name2) // it opens
 	stop, cancel = context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := b.Close(stop); err != nil {
-		t.Fatalf("B's close: %v; want the other store's entry left, nothing of its own", err)
+		t.Fatalf("the other engine's close: %v; want nothing of its own left", err)
 	}
-	if files, _ := filepath.Glob(filepath.Join(dir, "*.json")); len(files) != 1 {
-		t.Fatalf("%d entries in the directory; want the other store's left", len(files))
+	if n := entries(); n != 1 {
+		t.Fatalf("%d entries in the directory; want the outcome its store does not hold left there", n)
+	}
+
+	clock.Advance(idem.DefaultRetention + time.Minute)
+	c, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: dir, Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(stop); err != nil {
+		t.Fatal(err)
+	}
+	if n := entries(); n != 0 {
+		t.Fatalf("%d entries in the directory past the outcome's retention; want it gone", n)
 	}
 }

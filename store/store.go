@@ -94,35 +94,6 @@ func MaxBody(s Store) int {
 	return math.MaxInt
 }
 
-// Identifier is implemented by stores that can name the records they keep.
-// ID returns the same string in every process whose store reads and writes
-// the same records, and another for any other records (another server,
-// database, schema, table, file or key prefix). It must not change while
-// the records stay, and it names no secret. It is empty only while the
-// store cannot name itself yet (a store that has not opened); it names
-// itself once open. The engine's journal stamps
-// its entries with it, so that an engine on another store sharing the
-// directory leaves them to one on theirs.
-type Identifier interface {
-	ID() string
-}
-
-// ID is the ID of s, or of the store it wraps (a store with an Unwrap()
-// Store method, such as a measuring wrapper), and whether one of them is
-// an [Identifier].
-func ID(s Store) (id string, ok bool) {
-	for {
-		if i, ok := s.(Identifier); ok {
-			return i.ID(), true
-		}
-		u, ok := s.(interface{ Unwrap() Store })
-		if !ok {
-			return "", false
-		}
-		s = u.Unwrap()
-	}
-}
-
 // Durability is what a crash of a store's server would cost, as far as the
 // store can tell from the server's settings.
 type Durability struct {

@@ -266,18 +266,6 @@ func (e *eventual) Durability(ctx context.Context) (store.Durability, error) {
 	return r.Durability(ctx)
 }
 
-// ID implements [store.Identifier]: the store's ID once it is open, "" until
-// then (no outcome can wait for a store that never opened: nothing ran).
-func (e *eventual) ID() string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.opened == nil {
-		return ""
-	}
-	id, _ := store.ID(e.opened.Store)
-	return id
-}
-
 // maxBodyOf is the body limit of a store kind that may open eventually.
 func maxBodyOf(scheme string) int {
 	if scheme == "dynamodb" {

@@ -156,21 +156,6 @@ func TestTracesOffWhenExporterIsNone(t *testing.T) {
 
 // TestFinishTxIsMeasured: a record settled in the application's own
 // transaction goes through the wrapper like every other store call.
-// TestMeasuredStoreKeepsItsID: the measured store idem proxy gives its
-// engine names the store it measures, so that the journal's entries name
-// their store (they named none through the wrapper, and an engine on
-// another store sharing the directory dropped them).
-func TestMeasuredStoreKeepsItsID(t *testing.T) {
-	tel, err := telemetry.New(context.Background(), envOf(nil))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := memstore.New()
-	if id, ok := store.ID(tel.Store("memory", s)); !ok || id != s.ID() {
-		t.Fatalf("the measured store's ID: %q, %v; want the store's, %q", id, ok, s.ID())
-	}
-}
-
 func TestFinishTxIsMeasured(t *testing.T) {
 	tel, err := telemetry.New(context.Background(), envOf(nil))
 	if err != nil {

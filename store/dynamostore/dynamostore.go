@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
-	"net/url"
 	"regexp"
 	"slices"
 	"strconv"
@@ -733,11 +732,4 @@ var _ store.DurabilityReporter = (*Store)(nil)
 // store cannot see.)
 func (s *Store) Durability(context.Context) (store.Durability, error) {
 	return store.Durability{CrashSafe: true, Detail: "DynamoDB writes every item to several availability zones before it answers"}, nil
-}
-
-// ID implements [store.Identifier]: the client's region and endpoint (an
-// AWS region's own when it sets none) and the table.
-func (s *Store) ID() string {
-	o := s.client.Options()
-	return "dynamodb://" + o.Region + "/" + aws.ToString(o.BaseEndpoint) + "?table=" + url.QueryEscape(s.table)
 }

@@ -226,7 +226,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -718,11 +717,4 @@ var _ store.DurabilityReporter = (*Store)(nil)
 // memory only.
 func (s *Store) Durability(context.Context) (store.Durability, error) {
 	return store.Durability{Detail: "memcached keeps records in memory only: a restart, or an eviction, loses them"}, nil
-}
-
-// ID implements [store.Identifier]: the servers of [Config.Servers] and the
-// prefix. Without Servers (gomemcache does not tell its own), two stores
-// on other servers under one prefix share a name.
-func (s *Store) ID() string {
-	return "memcached://" + strings.Join(s.servers, ",") + "?prefix=" + url.QueryEscape(s.prefix)
 }

@@ -8,7 +8,6 @@ package memstore
 
 import (
 	"context"
-	"crypto/rand"
 	"maps"
 	"math"
 	"slices"
@@ -27,7 +26,6 @@ type Store struct {
 	records map[string]*store.Record
 	maxBody int
 	owner   string // names this store in its scan cursors
-	name    string // its ID: random, as no other process holds its records
 }
 
 // instances numbers the stores made, so that each has cursors of its own.
@@ -38,11 +36,8 @@ var _ store.BodyLimiter = (*Store)(nil)
 // New returns an empty store.
 func New() *Store {
 	return &Store{records: make(map[string]*store.Record), maxBody: math.MaxInt,
-		owner: "memstore:" + strconv.FormatUint(instances.Add(1), 10), name: "memory:" + rand.Text()}
+		owner: "memstore:" + strconv.FormatUint(instances.Add(1), 10)}
 }
-
-// ID implements [store.Identifier]: the records are this store's alone.
-func (s *Store) ID() string { return s.name }
 
 // NewLimited returns an empty store that keeps response bodies of at most
 // maxBody bytes, as stores with an item size limit do (see

@@ -130,10 +130,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net"
-	"net/url"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -969,13 +966,4 @@ func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 		d.Detail += ": every commit is on disk before PostgreSQL answers"
 	}
 	return d, nil
-}
-
-// ID implements [store.Identifier]: the server's host and port, the
-// database and the schema, as the pool connects to them (never the user or
-// password). Two addresses of one server name two stores: an engine on one
-// leaves the journal entries of the other alone.
-func (s *Store) ID() string {
-	c := s.pool.Config().ConnConfig
-	return "postgres://" + net.JoinHostPort(c.Host, strconv.Itoa(int(c.Port))) + "/" + url.PathEscape(c.Database) + "?schema=" + url.QueryEscape(s.schema)
 }

@@ -153,7 +153,6 @@ import (
 	"io"
 	"math"
 	"net"
-	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -213,25 +212,7 @@ type Store struct {
 	// calls sends the scripts that callers run at the same time in one
 	// pipeline: one network write and read for all of them.
 	calls store.Batcher[*scriptCall]
-	name  string // its ID
 }
-
-// name is the ID of a store on client under prefix: the server's address
-// and database, or the cluster's seed addresses, and the prefix.
-func name(client redis.UniversalClient, prefix string) string {
-	where := "?"
-	switch c := client.(type) {
-	case *redis.Client:
-		where = c.Options().Addr + "/" + strconv.Itoa(c.Options().DB)
-	case *redis.ClusterClient:
-		where = strings.Join(slices.Sorted(slices.Values(c.Options().Addrs)), ",")
-	}
-	return "redis://" + where + "?prefix=" + url.QueryEscape(prefix)
-}
-
-// ID implements [store.Identifier]: the server's address and database (a
-// cluster's seed addresses) and the prefix.
-func (s *Store) ID() string { return s.name }
 
 // New returns a store for cfg. The error wraps [store.ErrInvalid] when cfg is
 // not valid. New does not contact Redis.
@@ -255,7 +236,7 @@ func New(cfg Config) (*Store, error) {
 	}
 	glob := globEscape(prefix)
 	s := &Store{client: cfg.Client, shards: uint32(shards), tags: make([]string, shards), pending: make([]string, shards),
-		records: glob + "{" + glob + ":*}:*", name: name(cfg.Client, prefix)}
+		records: glob + "{" + glob + ":*}:*"}
 	for i := range shards {
 		s.tags[i] = prefix + "{" + prefix + ":" + strconv.Itoa(i) + "}"
 		s.pending[i] = s.tags[i] + ":pending"

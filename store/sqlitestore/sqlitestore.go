@@ -62,7 +62,6 @@ package sqlitestore
 
 import (
 	"context"
-	"crypto/rand"
 	"database/sql"
 	"embed"
 	"errors"
@@ -70,7 +69,6 @@ import (
 	"io/fs"
 	"net/url"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -105,7 +103,6 @@ type Config struct {
 type Store struct {
 	db    *sql.DB
 	owner string // names this store in its scan cursors
-	name  string // its ID: the database file's absolute path
 	// writes group-commits the writes of this process, one transaction at
 	// a time (SQLite has one writer), on conn.
 	writes store.Batcher[func(context.Context, *txn) error]
@@ -167,12 +164,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sqlitestore: open %s: %w", cfg.Path, err)
 	}
-	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path, name: "sqlite:" + cfg.Path}
-	if strings.HasPrefix(cfg.Path, ":memory:") {
-		s.name += ":" + rand.Text() // this process's alone
-	} else if abs, err := filepath.Abs(cfg.Path); err == nil {
-		s.name = "sqlite:" + abs
-	}
+	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path}
 	s.writes.Run = s.commit
 	if err := s.migrate(ctx); err != nil {
 		db.Close()
@@ -710,6 +702,3 @@ func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	}
 	return d, nil
 }
-
-// ID implements [store.Identifier]: the database file's absolute path.
-func (s *Store) ID() string { return s.name }

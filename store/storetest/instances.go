@@ -35,7 +35,6 @@ func RunInstances(t *testing.T, open func(t *testing.T) (a, b idem.Store)) {
 	}{
 		{"AcquireOneWinner", testInstancesAcquireOneWinner},
 		{"BorrowedTokenSettlesOnce", testInstancesBorrowedTokenSettlesOnce},
-		{"SameID", testInstancesSameID},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -183,15 +182,5 @@ func testInstancesBorrowedTokenSettlesOnce(t *testing.T, instances [2]idem.Store
 		if err != nil || r.State != want.State || r.Token != stale.Token || !r.Response.Equal(want.Response) {
 			t.Fatalf("instance %d reads %+v, %v; want racer %d's settlement, %s with response %+v", n, r, err, landed, want.State, want.Response)
 		}
-	}
-}
-
-// testInstancesSameID: two instances on one backend name the same records,
-// so that either one's engine stores the journal entries the other left.
-func testInstancesSameID(t *testing.T, instances [2]idem.Store) {
-	a, ok := store.ID(instances[0])
-	b, _ := store.ID(instances[1])
-	if ok && (a == "" || a != b) {
-		t.Fatalf("two instances on one backend: IDs %q and %q, want one", a, b)
 	}
 }

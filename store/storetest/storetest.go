@@ -76,7 +76,6 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"CheckpointEndsTakeover", testCheckpointEndsTakeover},
 		{"CheckpointNeedsRunningLease", testCheckpointNeedsRunningLease},
 		{"DurabilityReported", testDurabilityReported},
-		{"IDNamesTheRecords", testIDNamesTheRecords},
 		{"ScanCursorsAreOwn", testScanCursorsAreOwn},
 		{"ScanWhileSettling", testScanWhileSettling},
 		{"ListFiltersRecords", testListFiltersRecords},
@@ -1376,25 +1375,6 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	wantErr(t, "Checkpoint after completion", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
 	if n := len(h.get(t, "s", "k").Checkpoints); n != 1 {
 		t.Fatalf("%d checkpoints stored, want only the valid one", n)
-	}
-}
-
-// testIDNamesTheRecords: a store that names the records it keeps
-// ([store.Identifier]) names them the same every time it is asked, and
-// another store (newStore's next, with records of its own) otherwise: an
-// engine on it would take the other's journal entries for its own, and
-// drop them with the outcomes they keep.
-func testIDNamesTheRecords(t *testing.T, h *harness) {
-	id, ok := h.store.(store.Identifier)
-	if !ok {
-		return // the journal sends its entries to any store
-	}
-	theirs, _ := store.ID(h.newStore(t))
-	switch name := id.ID(); {
-	case name == "" || name != id.ID():
-		t.Fatalf("ID %q, then %q: want one, not empty", name, id.ID())
-	case theirs == name:
-		t.Fatalf("another store with records of its own has the same ID %q", name)
 	}
 }
 
