@@ -152,6 +152,7 @@ func TestYAMLMistakesAreRefused(t *testing.T) {
 		"second document":         {"upstream: http://x\n---\nstore: \"memory:\"\n", "one document"},
 		"match under default":     {"upstream: http://x\ndefaults:\n  match: /a\n", "line 3: match"},
 		"bypass under default":    {"upstream: http://x\ndefaults:\n  bypass: true\n", "line 3: bypass"},
+		"route key at the top":    {"upstream: http://x\nmatch: /a\n", "line 2: match is a route's, not a setting of the file: write it in a route under routes"},
 		"request rule at the top": {"upstream: http://x\nrequire_key: true\n", "line 2: require_key is a setting of requests, not of the file: write it under defaults:"},
 		"lease under default":     {"upstream: http://x\ndefaults:\n  lease: 5s\n", "line 3: lease is not a setting of defaults: write it at the top level (--lease"},
 		"retention under default": {"upstream: http://x\ndefaults:\n  retention: 2s\n", "line 3: retention is not a setting of defaults: write it at the top level (--retention"},

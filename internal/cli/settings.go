@@ -436,6 +436,8 @@ func decodeNode(n *yaml.Node, v reflect.Value, name string) error {
 			case !ok && name == "defaults" && (key == "lease" || key == "retention"):
 				return fmt.Errorf("line %d: %s is not a setting of defaults: write it at the top level (--%s, IDEM_%s), or in a route under routes",
 					n.Content[i].Line, key, key, strings.ToUpper(key))
+			case !ok && name == "the file" && (key == "match" || key == "bypass"):
+				return fmt.Errorf("line %d: %s is a route's, not a setting of the file: write it in a route under routes", n.Content[i].Line, key)
 			case !ok && name == "the file" && requestSetting(key):
 				return fmt.Errorf("line %d: %s is a setting of requests, not of the file: write it under defaults: (every route) or in a route under routes",
 					n.Content[i].Line, key)
