@@ -589,7 +589,12 @@ func (e *Engine) adopt(ctx context.Context, l Lease, resp *Response) bool {
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.storeTimeout)
 	defer cancel()
 	rec, err := e.store.Get(sctx, store.GetParams{Scope: l.Scope, Key: l.Key, Now: e.clock.Now()})
-	if err != nil || !sameOutcome(rec.Response, resp) || rec.State != StateCompleted || rec.Fingerprint != l.Fingerprint {
+	return err == nil && adopted(rec, l, resp)
+}
+
+// adopted is adopt's rule for rec, the record l names, read from the store.
+func adopted(rec Record, l Lease, resp *Response) bool {
+	if !sameOutcome(rec.Response, resp) || rec.State != StateCompleted || rec.Fingerprint != l.Fingerprint {
 		return false
 	}
 	resp.Header.Set(HeaderExpires, rec.Response.Header.Get(HeaderExpires))

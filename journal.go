@@ -16,8 +16,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/idemhq/idem/store"
 )
 
 // journal keeps the settling writes ([FinishParams]) that the store could not
@@ -348,13 +346,10 @@ func (j *journal) land(ent *journalEntry) bool {
 	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed:
 		// The same, past the acquire's lease: a record it left has been
 		// taken over or marked UNKNOWN by now, for the reconciler.
-	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted && j.e.adopt(context.Background(), Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
-		log.Info("idem journal: the record was settled meanwhile with the same outcome")
 	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted:
-		switch held, gerr := j.holds(p); {
-		case gerr != nil:
-			return false // the store is away again: try later
-		case !held && j.e.clock.Now().Before(p.Expires):
+		rec, gerr := j.e.Get(context.Background(), p.Scope, p.Key)
+		switch {
+		case errors.Is(gerr, ErrNotFound) && j.e.clock.Now().Before(p.Expires):
 			// The store holds no record of the key: the entry is another
 			// store's, in a directory shared by engines on several stores
 			// (it reached the directory from an engine whose store was
@@ -366,8 +361,12 @@ func (j *journal) land(ent *journalEntry) bool {
 				"file", ent.name, "until", p.Expires)
 			j.forget(ent)
 			return true
-		case !held:
+		case errors.Is(gerr, ErrNotFound):
 			log.Warn("idem journal: this store holds no record of an outcome that waited in the journal, and its retention has ended: dropped")
+		case gerr != nil:
+			return false // the store could not tell: try later
+		case adopted(rec, Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
+			log.Info("idem journal: the record was settled meanwhile with the same outcome")
 		default:
 			log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
 		}
@@ -378,21 +377,6 @@ func (j *journal) land(ent *journalEntry) bool {
 	}
 	j.remove(ent)
 	return true
-}
-
-// holds reports whether the store holds a live record under p's scope and
-// key; the error is the store's when it could not tell.
-func (j *journal) holds(p FinishParams) (bool, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), j.e.storeTimeout)
-	defer cancel()
-	_, err := j.e.store.Get(ctx, store.GetParams{Scope: p.Scope, Key: p.Key, Now: j.e.clock.Now()})
-	switch {
-	case err == nil:
-		return true, nil
-	case errors.Is(err, ErrNotFound):
-		return false, nil
-	}
-	return false, err
 }
 
 func (j *journal) remove(ent *journalEntry) {
