@@ -150,7 +150,7 @@ func New(cfg Config) (*Engine, error) {
 	for _, d := range []struct {
 		name  string
 		value time.Duration
-	}{{"lease", e.lease}, {"retention", e.retention}, {"poll", e.poll}, {"store timeout", e.storeTimeout}} {
+	}{{"lease", e.lease}, {"retention", e.retention}, {"poll", e.poll}, {"store_timeout", e.storeTimeout}} { // named as Config's YAML names them
 		if d.value < 0 {
 			return nil, invalid("%s %v is negative: want a positive duration, or 0 for the default", d.name, d.value)
 		}

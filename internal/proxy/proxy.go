@@ -323,20 +323,19 @@ func (cfg Config) Validate() error {
 // refused every request.
 const MaxHeaderBytesLimit = 1 << 30
 
-// checkLimits refuses a negative timeout, duration or size, naming the
-// setting: each would mean something other than what it says (a negative
-// upstream timeout cuts every response at once, so each request's outcome
-// becomes unknown; the server's mean no limit at all). 0 means the default.
-// (A route's own are checked with the route.)
+// checkLimits refuses a negative timeout or size, naming the setting: each
+// would mean something other than what it says (a negative upstream timeout
+// cuts every response at once, so each request's outcome becomes unknown;
+// the server's mean no limit at all). 0 means the default. (The engine's
+// durations are checked, and named, by idem.New; a route's limits with the
+// route.)
 func (cfg Config) checkLimits() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
 	}{{"upstream_timeout", cfg.UpstreamTimeout}, {"shutdown_timeout", cfg.ShutdownTimeout},
 		{"read_header_timeout", cfg.ReadHeaderTimeout}, {"read_timeout", cfg.ReadTimeout},
-		{"write_timeout", cfg.WriteTimeout}, {"idle_timeout", cfg.IdleTimeout},
-		{"lease", cfg.Engine.Lease}, {"retention", cfg.Engine.Retention}, {"poll", cfg.Engine.Poll},
-		{"store_timeout", cfg.Engine.StoreTimeout}} {
+		{"write_timeout", cfg.WriteTimeout}, {"idle_timeout", cfg.IdleTimeout}} {
 		if d.v < 0 {
 			return fmt.Errorf("%s %v: want a positive duration (0 for the default)", d.name, d.v)
 		}
