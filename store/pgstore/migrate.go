@@ -71,6 +71,13 @@ func migrations() ([]migration, error) {
 // fleet's traffic for as long as it lasted. So a migration waits for a lock
 // at most migrateLockTimeout, then rolls back, steps aside for a moment and
 // tries again, until it is applied or ctx ends.
+//
+// A records table created by release 0.1.0 keeps its layout: the store
+// writes its records in the text forms that 0.1.0 reads (the fingerprint
+// as text, the response as JSON), so that a rolling upgrade replays on
+// every instance. One created since keeps them in their compact forms
+// (about 180 B less per key, in the table and in the WAL), which 0.1.0
+// cannot read: do not point a 0.1.0 at it.
 func (s *Store) Migrate(ctx context.Context) error {
 	ms, err := migrations()
 	if err != nil {
@@ -78,6 +85,13 @@ func (s *Store) Migrate(ctx context.Context) error {
 	}
 	for n := 0; ; n++ {
 		err := s.migrate(ctx, ms)
+		if err == nil {
+			s.layout.Store(0) // read it again: the migrations may have created the table
+			if _, err := s.readLayout(ctx); err != nil {
+				return translate("migrate", err)
+			}
+			return nil
+		}
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); !ok || pgErr.Code != "55P03" {
 			return err
 		}

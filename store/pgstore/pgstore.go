@@ -10,14 +10,15 @@
 // by the embedded migrations, which [New] applies unless told not to:
 //
 //	scope text, key text             PRIMARY KEY (scope, key), COLLATE "C"; the key as sent, never hashed
-//	fingerprint text, token text
+//	fingerprint bytea                store.Fingerprint.Compact (text in a table of release 0.1.0)
+//	token text
 //	fence bigint
 //	lease_expires, created timestamptz
 //	takeover_safe boolean
 //	state text                       in_progress | completed | failed | unknown (CHECK)
 //	updated timestamptz
 //	expires timestamptz              NULL while in_progress or unknown
-//	response bytea                   store.Response.MarshalBinary; NULL unless completed
+//	response bytea                   store.Response.MarshalCompact (MarshalBinary in a table of 0.1.0); NULL unless completed
 //	checkpoints bytea                store.AppendCheckpoint lines, oldest first; NULL when there are none
 //
 // Its only index is the primary key, and inserts fill a page to 30%
@@ -133,6 +134,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -183,6 +185,11 @@ type Store struct {
 
 	acquireSQL, renewSQL, checkpointSQL, finishSQL, getSQL, scanSQL, listSQL, pruneSQL string
 	dueWholeSQL, dueFillSQL, dueMarkSQL                                                string
+
+	// layout is how the records table keeps fingerprints and responses
+	// (see [Store.Migrate]): layoutCompact on a table created since
+	// release 0.1.0, layoutText on a table of 0.1.0; 0 until read.
+	layout atomic.Int32
 
 	// writes sends the writes that callers make at the same time as one
 	// batch: one round trip and one transaction (one commit) for all.
@@ -237,6 +244,46 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	return s, nil
 }
 
+// The layouts of the records table (Store.layout).
+const (
+	layoutText    = 1 // release 0.1.0's: the fingerprint as text, the response as JSON
+	layoutCompact = 2 // store.Fingerprint.Compact, store.Response.MarshalCompact
+)
+
+// readLayout learns the records table's layout from the type of its
+// fingerprint column, once: Migrate reads it, or the first write after a
+// New that did not migrate. A table that does not exist yet is taken as
+// compact, as the migrations create it, but not remembered.
+func (s *Store) readLayout(ctx context.Context) (int32, error) {
+	if l := s.layout.Load(); l != 0 {
+		return l, nil
+	}
+	var text bool
+	err := s.pool.QueryRow(ctx, `SELECT atttypid = 'text'::regtype FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped`,
+		pgx.Identifier{s.schema, "records"}.Sanitize()).Scan(&text)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return layoutCompact, nil
+	case err != nil:
+		return 0, err
+	case text:
+		s.layout.Store(layoutText)
+	default:
+		s.layout.Store(layoutCompact)
+	}
+	return s.layout.Load(), nil
+}
+
+// fingerprint is f as the records table keeps it.
+func (s *Store) fingerprint(ctx context.Context, f store.Fingerprint) (any, error) {
+	l, err := s.readLayout(ctx)
+	if l == layoutText {
+		return string(f), err
+	}
+	return f.Compact(), err
+}
+
 // columns are the records columns in the order scanRecord reads them.
 const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
 
@@ -273,7 +320,7 @@ WITH cur AS (
 	WHERE scope = $1 AND key = $2
 ), up AS (
 	INSERT INTO {{table}} AS r (` + columns + `)
-	SELECT $1::text, $2::text, 'in_progress', $3::text, $4::text, 1, $6::timestamptz, $7::boolean,
+	SELECT $1::text, $2::text, 'in_progress', $3, $4::text, 1, $6::timestamptz, $7::boolean,
 		NULL, $5::timestamptz, $5::timestamptz, NULL, NULL
 	WHERE NOT EXISTS (SELECT FROM cur WHERE NOT cur.must_write)
 	ON CONFLICT (scope, key) DO UPDATE SET
@@ -450,9 +497,13 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	if err := store.Ready(ctx, "pgstore", "acquire", p); err != nil {
 		return store.Record{}, err
 	}
+	fingerprint, err := s.fingerprint(ctx, p.Fingerprint)
+	if err != nil {
+		return store.Record{}, translate("acquire", err)
+	}
 	for range acquireAttempts {
 		w := &write{scope: p.Scope, key: p.Key, sql: s.acquireSQL, returns: true,
-			args: []any{p.Scope, p.Key, string(p.Fingerprint), p.Token, p.Now, p.LeaseExpires, p.TakeoverSafe}}
+			args: []any{p.Scope, p.Key, fingerprint, p.Token, p.Now, p.LeaseExpires, p.TakeoverSafe}}
 		if err := s.writes.Do(ctx, w); err != nil {
 			return store.Record{}, translate("acquire", err)
 		}
@@ -546,7 +597,14 @@ func (s *Store) finish(ctx context.Context, tx pgx.Tx, op string, p store.Finish
 	}
 	var response, expires any // NULL unless set below
 	if p.Response != nil {
-		b, err := p.Response.MarshalBinary()
+		l, err := s.readLayout(ctx)
+		if err != nil {
+			return translate(op, err)
+		}
+		b, err := p.Response.MarshalCompact()
+		if l == layoutText {
+			b, err = p.Response.MarshalBinary()
+		}
 		if err != nil {
 			return fmt.Errorf("pgstore: %s: encoding response: %w", op, err)
 		}
@@ -906,10 +964,10 @@ func scanRecord(row pgx.Row) (store.Record, error) {
 // are decoded: a batch reads every row it gets before any is decoded, so
 // that a record this build cannot read is its caller's error alone.
 type stored struct {
-	r                  store.Record
-	state, fingerprint string
-	response, cps      []byte
-	expires            *time.Time
+	r                          store.Record
+	state                      string
+	fingerprint, response, cps []byte
+	expires                    *time.Time
 }
 
 func (st *stored) scan(row pgx.Row) error {
@@ -923,7 +981,10 @@ func (st *stored) scan(row pgx.Row) error {
 func (st *stored) decode() (store.Record, error) {
 	r := st.r
 	r.State = store.State(st.state)
-	r.Fingerprint = store.Fingerprint(st.fingerprint)
+	var err error
+	if r.Fingerprint, err = store.FingerprintFromCompact(st.fingerprint); err != nil {
+		return store.Record{}, fmt.Errorf("stored record: %w", err)
+	}
 	r.LeaseExpires = r.LeaseExpires.UTC()
 	r.Created = r.Created.UTC()
 	r.Updated = r.Updated.UTC()
@@ -936,7 +997,6 @@ func (st *stored) decode() (store.Record, error) {
 			return store.Record{}, fmt.Errorf("stored record: %w", err)
 		}
 	}
-	var err error
 	if r.Checkpoints, err = store.DecodeCheckpoints(st.cps); err != nil {
 		return store.Record{}, fmt.Errorf("stored record: %w", err)
 	}

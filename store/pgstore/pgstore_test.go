@@ -135,10 +135,6 @@ func TestCompleteLogsWhatItWrites(t *testing.T) {
 	scope := strings.Repeat("5e", 32) // as long as httpidem.HashScope's
 	response := &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}},
 		Body: []byte(`{"id":"ch_3MmlLrLkdIwHu7ix0snN0B15","object":"charge","amount":1099,"currency":"usd","status":"succeeded"}`)}
-	stored, err := response.MarshalBinary()
-	if err != nil {
-		t.Fatal(err)
-	}
 	// overhead is the length of the WAL record of one complete on a
 	// schema's records table, less the stored response's.
 	overhead := func(schema string) int {
@@ -193,17 +189,21 @@ func TestCompleteLogsWhatItWrites(t *testing.T) {
 				t.Fatalf("the complete wrote %v to records, want one HOT_UPDATE", kinds)
 			}
 			if fpi == 0 {
-				return n - len(stored)
+				var stored int
+				if err := pool.QueryRow(ctx, "SELECT octet_length(response) FROM "+table(schema, "records")+" WHERE key = $1", key).Scan(&stored); err != nil {
+					t.Fatal(err)
+				}
+				return n - stored
 			}
 		}
 		t.Fatal("three completes in a row logged their page whole: checkpoints come too often to measure")
 		return 0
 	}
 	now, released := overhead(newSchema(t)), overhead(releasedSchema(t))
-	t.Logf("a complete's WAL record beyond its %d-byte response: %d B (release 0.1.0's order: %d B)", len(stored), now, released)
+	t.Logf("a complete's WAL record beyond its stored response: %d B (release 0.1.0's order: %d B)", now, released)
 	// Besides the record's headers (about 70 B), a complete logs its state,
 	// the update and expiry times and the response's length (about 40 B
-	// with their alignment); the fingerprint alone is 179 B.
+	// with their alignment); the fingerprint alone is 129 B (178 as text).
 	if now > 128 {
 		t.Errorf("a complete logs %d B beyond its response, want at most 128: columns it keeps are in its WAL", now)
 	}
@@ -753,6 +753,12 @@ func TestRoundTrips(t *testing.T) {
 			t.Fatalf("%s took %d statements in %d round trips, want %d in %d", what, n, rt, statements, trips)
 		}
 	}
+	// A store that New did not migrate reads the records table's layout
+	// before its first write, once.
+	cost("the first Acquire of a store New did not migrate", 2, 2, func() error {
+		_, err := s.Acquire(ctx, acquireParams("first", "tok", t0))
+		return err
+	})
 	cost("Acquire of a new key", 1, 1, func() error { _, err := s.Acquire(ctx, acquireParams("k", "tok", t0)); return err })
 	renew := store.RenewParams{Scope: "s", Key: "k", Token: "tok", Now: t0.Add(time.Second), LeaseExpires: t0.Add(time.Minute)}
 	cost("Renew", 1, 1, func() error { return s.Renew(ctx, renew) })
@@ -850,8 +856,10 @@ func TestAcquireRetriesAfterConcurrentCommit(t *testing.T) {
 		write  string                               // the concurrent transaction's statement
 	}{
 		{
-			name:   "inserted",
-			before: func(*testing.T, *pgstore.Store) {},
+			name: "inserted",
+			before: func(t *testing.T, s *pgstore.Store) {
+				mustAcquire(t, s, acquireParams("another", "tok", t0)) // the store's first write reads the table's layout
+			},
 			write: `INSERT INTO %s (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
 				VALUES ('s', 'k', 'in_progress', $1, 'winner', 1, $2, false, $3, $3)`,
 		},
@@ -880,7 +888,7 @@ func TestAcquireRetriesAfterConcurrentCommit(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer func() { _ = tx.Rollback(ctx) }()
-			if _, err := tx.Exec(ctx, fmt.Sprintf(tc.write, table(schema, "records")), string(fp("a")), t0.Add(30*time.Second), t0); err != nil {
+			if _, err := tx.Exec(ctx, fmt.Sprintf(tc.write, table(schema, "records")), fp("a").Compact(), t0.Add(30*time.Second), t0); err != nil {
 				t.Fatal(err)
 			}
 
@@ -1438,4 +1446,104 @@ func TestJournalLeavesAnotherStoresOutcome(t *testing.T) {
 	wait.Until(t, 20*time.Second, "A's next start to store the outcome its client was given", func() bool {
 		return countRows(t, sharedPool(t), `SELECT count(*) FROM `+table(schema, "records")+` WHERE key = 'pay-77' AND state = 'completed'`) == 1
 	})
+}
+
+// TestRecordsAreCompact: a records table created now keeps a record's
+// fingerprint as its four sums (129 bytes, not 178 characters) and its
+// response in the compact form (its body as is, not in base64 inside
+// JSON): both are in the WAL of every key, the fingerprint in the
+// acquire's and the response in the complete's.
+func TestRecordsAreCompact(t *testing.T) {
+	pool := sharedPool(t)
+	schema := newSchema(t)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	p := acquireParams("k", "tok", t0)
+	mustAcquire(t, s, p)
+	f := completeParams("k", "tok", t0)
+	f.Response.Header = http.Header{"Content-Type": {"application/json"}}
+	if err := s.Finish(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	var fpLen, respLen int
+	if err := pool.QueryRow(ctx, "SELECT octet_length(fingerprint), octet_length(response) FROM "+table(schema, "records")).
+		Scan(&fpLen, &respLen); err != nil {
+		t.Fatal(err)
+	}
+	if fpLen != 129 {
+		t.Errorf("the fingerprint takes %d bytes, want 129 (%d characters as text)", fpLen, len(p.Fingerprint))
+	}
+	if want := len(f.Response.Body) + len("Content-Type") + len("application/json") + 12; respLen > want {
+		t.Errorf("the response takes %d bytes, want at most %d", respLen, want)
+	}
+	r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Fingerprint != p.Fingerprint || !reflect.DeepEqual(r.Response, f.Response) {
+		t.Errorf("read back %q %+v, want %q %+v", r.Fingerprint, r.Response, p.Fingerprint, f.Response)
+	}
+}
+
+// TestReleasedLayoutKeepsReleasedEncoding: on a records table created by
+// release 0.1.0, the store writes what 0.1.0 reads (the fingerprint as
+// text, the response as JSON), so that the instances not yet upgraded in
+// a rolling upgrade replay what the upgraded ones stored.
+func TestReleasedLayoutKeepsReleasedEncoding(t *testing.T) {
+	pool := sharedPool(t)
+	schema := releasedSchema(t)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	p := acquireParams("k", "tok", t0)
+	mustAcquire(t, s, p)
+	f := completeParams("k", "tok", t0)
+	if err := s.Finish(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	var fpText string
+	var resp []byte
+	if err := pool.QueryRow(ctx, "SELECT fingerprint, response FROM "+table(schema, "records")).Scan(&fpText, &resp); err != nil {
+		t.Fatal(err)
+	}
+	want, err := f.Response.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fpText != string(p.Fingerprint) || string(resp) != string(want) {
+		t.Errorf("stored %q and %q, want %q and %q", fpText, resp, p.Fingerprint, want)
+	}
+}
+
+// TestCompactTableReadsTextRecords: a record written in the text forms on
+// a table created now (a bulk load, an older idem pointed at it) is read
+// as it was written.
+func TestCompactTableReadsTextRecords(t *testing.T) {
+	pool := sharedPool(t)
+	schema := newSchema(t)
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	resp := &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}
+	asJSON, err := resp.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+table(schema, "records")+` (scope, key, state, fingerprint, token, fence,
+		lease_expires, takeover_safe, response, created, updated, expires)
+		VALUES ('s', 'k', 'completed', convert_to($1, 'UTF8'), 'tok', 1, $2, false, $3, $2, $2, $4)`,
+		string(fp("a")), t0, asJSON, t0.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Fingerprint != fp("a") || !reflect.DeepEqual(r.Response, resp) {
+		t.Errorf("read %q %+v, want %q %+v", r.Fingerprint, r.Response, fp("a"), resp)
+	}
 }

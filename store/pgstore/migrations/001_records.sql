@@ -13,7 +13,9 @@
 CREATE TABLE IF NOT EXISTS {{schema}}.records (
 	scope         text COLLATE "C" NOT NULL,
 	key           text COLLATE "C" NOT NULL,
-	fingerprint   text NOT NULL,
+	-- store.Fingerprint.Compact: 129 bytes for a version-1 fingerprint
+	-- (178 characters as text, as release 0.1.0 keeps it).
+	fingerprint   bytea NOT NULL,
 	token         text NOT NULL,
 	fence         bigint NOT NULL CHECK (fence > 0),
 	lease_expires timestamptz NOT NULL,
@@ -24,7 +26,8 @@ CREATE TABLE IF NOT EXISTS {{schema}}.records (
 	updated       timestamptz NOT NULL,
 	-- When a settled record stops being replayed; NULL while unsettled.
 	expires       timestamptz CHECK ((expires IS NULL) = (state IN ('in_progress', 'unknown'))),
-	-- idem.Response.MarshalBinary; set only while completed.
+	-- store.Response.MarshalCompact (MarshalBinary's JSON in a table of
+	-- release 0.1.0); set only while completed.
 	response      bytea CHECK ((response IS NOT NULL) = (state = 'completed')),
 	PRIMARY KEY (scope, key)
 );
