@@ -20,6 +20,12 @@ import (
 // minimal escapes. Two texts that differ only in key order or whitespace
 // come out identical.
 //
+// A number with more digits than a float64 keeps (1.0000000000000001,
+// which a float reads as 1; an integer past 2^53) is written exactly
+// instead, where RFC 8785 would round it: a handler that reads amounts as
+// decimals reads two such texts apart, so they must not come out
+// identical.
+//
 // A text in which an object has two members whose names are equal under
 // case folding ("amount" and "AMOUNT", or "amount" twice) is refused with
 // an error (RFC 8785 admits I-JSON only, which repeats no name):
@@ -176,20 +182,70 @@ func replaced(v any) bool {
 	return false
 }
 
-// exactInteger returns an integer literal too large for a float to hold
-// exactly (past 2^53), as written: two of them that a float would round
-// together are two payloads. JSON's grammar makes the literal canonical
-// already (no leading zeros, no plus sign). Other numbers are for the
-// float form, as RFC 8785 has them.
-func exactInteger(n string) (string, bool) {
-	digits := strings.TrimPrefix(n, "-")
-	if digits == "" || strings.Trim(digits, "0123456789") != "" {
-		return "", false
+// exactNumber returns, for a number literal whose value the float64 it
+// reads as does not print back (past 2^53, or with more digits than a
+// float64 keeps: 1.0000000000000001, which reads as 1), that value exactly:
+// in plain digits when it is an integer with at most 20 trailing zeros
+// (so an integer literal comes out as written), else as an integer
+// mantissa and an exponent (10000000000000001e-16). Two such literals that
+// a float would round together are two payloads: a handler that reads
+// amounts as decimals (Python's Decimal, Java's BigDecimal, json.Number)
+// reads them apart. A literal whose value the float prints back is for
+// the float form, as RFC 8785 has it, so that 1.10 and 1.1 stay one.
+func exactNumber(n string, f float64) (string, bool, error) {
+	lit, ok := decimalOf(n)
+	if !ok {
+		return "", false, errors.New("json: number out of range for canonical form")
 	}
-	if i, err := strconv.ParseInt(n, 10, 64); err == nil && i >= -1<<53 && i <= 1<<53 {
-		return "", false
+	if !math.IsInf(f, 0) {
+		if back, _ := decimalOf(strconv.FormatFloat(f, 'g', -1, 64)); back == lit {
+			return "", false, nil
+		}
 	}
-	return n, true
+	var b strings.Builder
+	if lit.neg {
+		b.WriteByte('-')
+	}
+	b.WriteString(lit.digits)
+	if lit.exp >= 0 && lit.exp <= 20 {
+		b.WriteString(strings.Repeat("0", lit.exp))
+	} else {
+		b.WriteString("e" + strconv.Itoa(lit.exp))
+	}
+	return b.String(), true, nil
+}
+
+// decimal is a number's exact value: digits (no leading or trailing
+// zeros; empty for zero, which has no sign) times ten to exp.
+type decimal struct {
+	neg    bool
+	digits string
+	exp    int
+}
+
+// decimalOf reads a JSON number literal (or a float as strconv formats
+// it); false when its exponent is past what an int holds.
+func decimalOf(n string) (decimal, bool) {
+	var d decimal
+	n, d.neg = strings.CutPrefix(n, "-")
+	mantissa, exponent, hasExp := strings.Cut(strings.ToLower(n), "e")
+	whole, frac, _ := strings.Cut(mantissa, ".")
+	if hasExp {
+		e, err := strconv.Atoi(exponent)
+		if err != nil || e > 1<<40 || e < -(1<<40) {
+			return d, false
+		}
+		d.exp = e
+	}
+	digits := strings.TrimLeft(whole+frac, "0")
+	d.exp -= len(frac)
+	trimmed := strings.TrimRight(digits, "0")
+	d.exp += len(digits) - len(trimmed)
+	d.digits = trimmed
+	if d.digits == "" {
+		return decimal{}, true
+	}
+	return d, true
 }
 
 func writeCanonical(b *bytes.Buffer, v any) error {
@@ -199,15 +255,21 @@ func writeCanonical(b *bytes.Buffer, v any) error {
 	case bool:
 		b.WriteString(strconv.FormatBool(v))
 	case json.Number:
-		if exact, ok := exactInteger(string(v)); ok {
-			b.WriteString(exact)
-			break
-		}
 		f, err := strconv.ParseFloat(string(v), 64)
-		if err != nil || math.IsInf(f, 0) {
+		if err != nil && !errors.Is(err, strconv.ErrRange) {
 			return errors.New("json: number out of range for canonical form")
 		}
-		b.WriteString(es6Number(f))
+		exact, ok, err := exactNumber(string(v), f)
+		switch {
+		case err != nil:
+			return err
+		case ok:
+			b.WriteString(exact)
+		case math.IsInf(f, 0):
+			return errors.New("json: number out of range for canonical form")
+		default:
+			b.WriteString(es6Number(f))
+		}
 	case string:
 		writeString(b, v)
 	case []any:

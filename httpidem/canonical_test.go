@@ -2,6 +2,7 @@ package httpidem_test
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -11,7 +12,7 @@ import (
 func TestCanonicalJSON(t *testing.T) {
 	for in, want := range map[string]string{
 		// RFC 8785 §3.2.2.3 number examples and friends.
-		`[1E30, 4.50, 2e-3, 0.000001, 1e-7, -0, 333333333.33333329, 1e21, 123456789012345680000]`: `[1e+30,4.5,0.002,0.000001,1e-7,0,333333333.3333333,1e+21,123456789012345680000]`,
+		`[1E30, 4.50, 2e-3, 0.000001, 1e-7, -0, 333333333.3333333, 1e21, 123456789012345680000]`: `[1e+30,4.5,0.002,0.000001,1e-7,0,333333333.3333333,1e+21,123456789012345680000]`,
 		// Members sorted by UTF-16 code units, nested objects too.
 		`{"b":1,"a":{"d":true,"c":null},"€":2,"😀":3,"\r":4}`: `{"\r":4,"a":{"c":null,"d":true},"b":1,"€":2,"😀":3}`,
 		`"tab\there \u0001 \"q\" \\ é"`:                      `"tab\there \u0001 \"q\" \\ é"`,
@@ -22,7 +23,7 @@ func TestCanonicalJSON(t *testing.T) {
 			t.Errorf("CanonicalJSON(%s)\n got %s, %v\nwant %s", in, got, err, want)
 		}
 	}
-	for _, bad := range []string{`{"a":1} x`, `{"a":`, `1e999`, `{"a":1}}`, `[1]]`, `{"a":1} {"a":1}`} {
+	for _, bad := range []string{`{"a":1} x`, `{"a":`, `{"a":1}}`, `[1]]`, `{"a":1} {"a":1}`} {
 		if _, err := httpidem.CanonicalJSON([]byte(bad)); err == nil {
 			t.Errorf("CanonicalJSON(%s) accepted", bad)
 		}
@@ -39,6 +40,39 @@ func TestCanonicalJSONKeepsDistinctPayloadsApart(t *testing.T) {
 	b, err2 := httpidem.CanonicalJSON([]byte(`{"customer":1234567890123456800}`))
 	if err != nil || err2 != nil || string(a) == string(b) {
 		t.Errorf("two integers past 2^53: %s, %s (%v, %v); want them apart", a, b, err, err2)
+	}
+	// Numbers with more digits than a float64 keeps, which it reads as
+	// another (RFC 8785's 333333333.33333329 reads as 333333333.3333333):
+	// a handler that reads decimals (Python's Decimal, BigDecimal,
+	// json.Number) reads each pair apart.
+	for _, pair := range [][2]string{
+		{`{"amount":1.000000000000000001}`, `{"amount":1.000000000000000002}`},
+		{`{"amount":1}`, `{"amount":1.0000000000000001}`},
+		{`{"v":0.1}`, `{"v":0.10000000000000001}`},
+		{`{"amount":12345678901234567.5}`, `{"amount":12345678901234568}`},
+		{`{"amount":9007199254740992}`, `{"amount":9007199254740992.9}`},
+		{`[333333333.33333329]`, `[333333333.3333333]`},
+		{`[1e999]`, `[1e998]`},
+		{`[1e-400]`, `[0]`},
+	} {
+		a, err := httpidem.CanonicalJSON([]byte(pair[0]))
+		b, err2 := httpidem.CanonicalJSON([]byte(pair[1]))
+		if err != nil || err2 != nil || string(a) == string(b) {
+			t.Errorf("%s and %s: %s, %s (%v, %v); want them apart", pair[0], pair[1], a, b, err, err2)
+		}
+	}
+	// One value written two ways is one payload, however it is written.
+	for _, same := range []string{
+		`[1.10, 1.1, 11e-1, 0.11e1]`, `[100, 1e2, 100.000, 1E+2]`,
+		`[9007199254740993, 9007199254740993.0, 90071992547409930e-1]`,
+		`[1.0000000000000001, 1.00000000000000010, 10000000000000001e-16]`,
+		`[1e999, 10e998, 1e+999]`,
+	} {
+		got, err := httpidem.CanonicalJSON([]byte(same))
+		parts := strings.Split(strings.Trim(string(got), "[]"), ",")
+		if err != nil || len(parts) < 2 || len(slices.Compact(parts)) != 1 {
+			t.Errorf("%s: %s, %v; want one form", same, got, err)
+		}
 	}
 	if got, err := httpidem.CanonicalJSON([]byte(`[-12, 9007199254740993, -99999999999999999999999, 1.5e3, 100]`)); err != nil ||
 		string(got) != `[-12,9007199254740993,-99999999999999999999999,1500,100]` {

@@ -28,19 +28,26 @@ var neverStored = map[string]bool{
 // the trailers kept: their values, in h with the headers, are replayed as
 // trailers. For outcomes that come from elsewhere than a handler: a
 // resolver's, an operator's.
-func StoredHeader(h http.Header) http.Header {
-	c := make(http.Header, len(h))
-	for name, values := range h {
-		for _, v := range values {
-			c.Add(name, v)
+func StoredHeader(h http.Header) http.Header { return storedHeader(h, nil) }
+
+// storedHeader returns the headers of h a replay may repeat, under their
+// canonical names: all but the never-stored ones, or only those in allow
+// when it is set. A handler may set a header under any name
+// (w.Header()["set-cookie"]), which net/http sends as it is: judged by its
+// canonical name, it is never stored either.
+func storedHeader(h http.Header, allow map[string]bool) http.Header {
+	for name := range h {
+		if http.CanonicalHeaderKey(name) != name {
+			c := make(http.Header, len(h))
+			for name, values := range h {
+				for _, v := range values {
+					c.Add(name, v)
+				}
+			}
+			h = c
+			break
 		}
 	}
-	return storedHeader(c, nil)
-}
-
-// storedHeader returns the headers of h a replay may repeat: all but the
-// never-stored ones, or only those in allow when it is set.
-func storedHeader(h http.Header, allow map[string]bool) http.Header {
 	var drop map[string]bool
 	for _, c := range h.Values("Connection") { // headers named by Connection are hop-by-hop too
 		for _, name := range strings.Split(c, ",") {

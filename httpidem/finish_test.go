@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/store/memstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
 
@@ -145,6 +147,41 @@ func TestFinishReplaysTheHeadersSetOnTheWriter(t *testing.T) {
 	for name, want := range map[string]string{"Location": "/charges/ch_1", "Content-Type": "application/json", "X-Trace": "from resp"} {
 		if first.header.Get(name) != want || again.header.Get(name) != want {
 			t.Errorf("%s: first %q, replay %q; want %q in both", name, first.header.Get(name), again.header.Get(name), want)
+		}
+	}
+}
+
+// TestHeaderNamesInAnyCaseAreJudgedAlike: a handler may set a header under
+// a name not in canonical form, and net/http sends it as it is; a cookie or
+// a credential set so is not stored or replayed either.
+func TestHeaderNamesInAnyCaseAreJudgedAlike(t *testing.T) {
+	eng := newEngine(t, memstore.New())
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["set-cookie"] = []string{"session=secret-abc"}
+		w.Header()["authorization"] = []string{"Bearer sk_live_x"}
+		w.Header()["x-request-id"] = []string{"req_1"}
+		w.WriteHeader(201)
+		io.WriteString(w, "ok")
+	})
+	srv := serve(t, httpidem.Config{Engine: eng}, h)
+	first := send(t, srv, "POST", "/pay", "k1", "x")
+	if first.header.Get("Set-Cookie") != "session=secret-abc" {
+		t.Fatalf("the first answer lacks the handler's cookie: %v", first.header)
+	}
+	replay := send(t, srv, "POST", "/pay", "k1", "x")
+	if replay.header.Get("Idempotent-Replayed") != "true" || replay.header.Get("X-Request-Id") != "req_1" {
+		t.Fatalf("not a replay of the first answer: %d %v", replay.status, replay.header)
+	}
+	if replay.header.Get("Set-Cookie") != "" || replay.header.Get("Authorization") != "" {
+		t.Errorf("the replay carries Set-Cookie %q and Authorization %q", replay.header.Get("Set-Cookie"), replay.header.Get("Authorization"))
+	}
+	rec, err := eng.Get(context.Background(), "", "k1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name := range rec.Response.Header {
+		if c := http.CanonicalHeaderKey(name); c == "Set-Cookie" || c == "Authorization" {
+			t.Errorf("the store holds %s", name)
 		}
 	}
 }
