@@ -62,9 +62,9 @@ func decodeJSON(data []byte) (any, error) {
 	if _, err := dec.Token(); err != io.EOF { // a stray '}' or ']' too, which More misses
 		return nil, errors.New("json: trailing data after the value")
 	}
-	// So would a lone surrogate escape ("\ud800"): a U+FFFD the text did
-	// not hold is one.
-	if replaced(v) && !bytes.ContainsRune(data, utf8.RuneError) && !bytes.Contains(bytes.ToLower(data), []byte(`\ufffd`)) {
+	// So would a lone surrogate escape ("\ud800"), whatever else the text
+	// holds.
+	if loneSurrogate(data) {
 		return nil, errors.New("json: a lone surrogate escape")
 	}
 	// And so would two members of an object whose names are equal under
@@ -164,19 +164,35 @@ func foldKey(name string) string {
 	return string(b)
 }
 
-// replaced reports whether a decoded value holds U+FFFD in a string or a
-// member's name.
-func replaced(v any) bool {
-	switch v := v.(type) {
-	case string:
-		return strings.ContainsRune(v, utf8.RuneError)
-	case []any:
-		return slices.ContainsFunc(v, replaced)
-	case map[string]any:
-		for k, e := range v {
-			if strings.ContainsRune(k, utf8.RuneError) || replaced(e) {
+// loneSurrogate reports whether a JSON text has a \u escape of a UTF-16
+// surrogate that is not half of a pair. (A backslash is in a string in
+// JSON, and starts an escape there.)
+func loneSurrogate(data []byte) bool {
+	hex := func(i int) (rune, bool) {
+		if i+6 > len(data) || data[i] != '\\' || data[i+1] != 'u' {
+			return 0, false
+		}
+		r, err := strconv.ParseUint(string(data[i+2:i+6]), 16, 16)
+		return rune(r), err == nil
+	}
+	for i := 0; i < len(data); i++ {
+		if data[i] != '\\' {
+			continue
+		}
+		r, ok := hex(i)
+		switch {
+		case !ok:
+			i++ // another escape: \\, \", \n...
+		case utf16.IsSurrogate(r) && r < 0xdc00:
+			low, ok := hex(i + 6)
+			if !ok || low < 0xdc00 || low > 0xdfff {
 				return true
 			}
+			i += 11
+		case utf16.IsSurrogate(r):
+			return true
+		default:
+			i += 5
 		}
 	}
 	return false

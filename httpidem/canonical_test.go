@@ -78,9 +78,20 @@ func TestCanonicalJSONKeepsDistinctPayloadsApart(t *testing.T) {
 		string(got) != `[-12,9007199254740993,-99999999999999999999999,1500,100]` {
 		t.Errorf("integers: %s, %v; want those past 2^53 exact, the others as before", got, err)
 	}
-	for _, bad := range []string{"{\"name\":\"caf\xe9\"}", `{"name":"\ud800"}`} {
+	// Lone surrogate escapes, which a decoder turns into U+FFFD, also
+	// beside a U+FFFD the text holds (it used to let them by), and as the
+	// second half or the first of a pair.
+	for _, bad := range []string{"{\"name\":\"caf\xe9\"}", `{"name":"\ud800"}`,
+		`{"memo":"\ud800","x":"\ufffd"}`, "{\"memo\":\"\\udbff\",\"x\":\"\uFFFD\"}",
+		`["\udc00\ud800"]`, `["\ud83d\u0041"]`, `["\ud83d"]`, `["a\ud83d\\ude00"]`} {
 		if got, err := httpidem.CanonicalJSON([]byte(bad)); err == nil {
 			t.Errorf("CanonicalJSON(%q) = %s; want it refused (not UTF-8)", bad, got)
+		}
+	}
+	// Pairs, escaped backslashes and U+FFFD itself are text.
+	for _, good := range []string{`["\ud83d\ude00"]`, `["\\ud800"]`, `["\ufffd"]`, "[\"\uFFFD\"]", `["\\\ud83d\ude00"]`} {
+		if _, err := httpidem.CanonicalJSON([]byte(good)); err != nil {
+			t.Errorf("CanonicalJSON(%q): %v", good, err)
 		}
 	}
 }

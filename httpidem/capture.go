@@ -157,12 +157,10 @@ func newCapture(w http.ResponseWriter, limit int64) *capture {
 	return &capture{w: w, header: http.Header{}, limit: limit}
 }
 
-func (c *capture) Header() http.Header {
-	if c.passing {
-		return c.w.Header()
-	}
-	return c.header
-}
+// Header is the handler's header map, the same one for the whole response
+// (as net/http's): a handler may keep it and set its trailers there once
+// the body is written, after the response was passed through too.
+func (c *capture) Header() http.Header { return c.header }
 
 func (c *capture) WriteHeader(status int) {
 	if c.status != 0 || c.hijacked {
@@ -288,6 +286,22 @@ func (c *capture) omitted() bool { return c.passing || c.hijacked }
 // deliver sends a buffered response to the client, with an
 // Idempotency-Expires header when expires is not empty.
 func (c *capture) deliver(expires string) {
+	if c.passing {
+		// The trailers the handler set after the response went through:
+		// net/http sends them from the writer's map once the handler
+		// returns.
+		h := c.w.Header()
+		for name := range declared(c.header) {
+			if v, ok := c.header[name]; ok {
+				h[name] = v
+			}
+		}
+		for name, v := range c.header {
+			if strings.HasPrefix(name, http.TrailerPrefix) {
+				h[name] = v
+			}
+		}
+	}
 	if c.omitted() {
 		return
 	}

@@ -4,7 +4,7 @@
 //	mw, err := httpidem.New(httpidem.Config{Engine: engine, Scope: scopeByAPIKey})
 //	http.ListenAndServe(addr, mw.Wrap(mux))
 //
-// For each covered request (POST and PATCH by default) that carries an
+// For each covered request (POST, PUT, PATCH and DELETE by default) that carries an
 // Idempotency-Key, the middleware fingerprints the payload, asks the engine,
 // and either runs the handler once, replays its stored outcome
 // (with "Idempotent-Replayed: true"), or answers with an RFC 9457 problem:
@@ -525,6 +525,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		scope = m.cfg.Scope(r)
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, m.cfg.MaxRequestBody+1))
+	if tooLarge, ok := errors.AsType[*http.MaxBytesError](err); ok { // an http.MaxBytesReader around the middleware: final, as ours is
+		m.observe(r, ObservedRejected)
+		(&Problem{Type: ProblemRequestTooLarge, Title: "Request body too large", Status: http.StatusRequestEntityTooLarge,
+			Detail: fmt.Sprintf("a request body may be at most %d bytes here", tooLarge.Limit)}).Write(w)
+		return
+	}
 	if err != nil {
 		m.observe(r, ObservedRejected)
 		(&Problem{Type: ProblemRequestUnreadable, Title: "Request body unreadable", Status: http.StatusBadRequest, Detail: err.Error()}).Write(w)

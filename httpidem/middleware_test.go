@@ -628,6 +628,24 @@ func TestRequestTooLarge(t *testing.T) {
 	}
 }
 
+// TestOuterBodyLimitIsTooLarge: a body cut off by an http.MaxBytesReader
+// around the middleware is too large, finally (a 413 that says not to
+// retry), not unreadable (a 400 that says to retry the same body).
+func TestOuterBodyLimitIsTooLarge(t *testing.T) {
+	a := &app{handler: charge}
+	mw, err := httpidem.New(httpidem.Config{Engine: newEngine(t, memstore.New())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(http.MaxBytesHandler(mw.Wrap(a), 100))
+	t.Cleanup(srv.Close)
+	r := send(t, srv, "POST", "/pay", "k", strings.Repeat("x", 1000))
+	wantProblem(t, r, 413, httpidem.ProblemRequestTooLarge)
+	if r.header.Get("Stripe-Should-Retry") != "false" || a.runs.Load() != 0 {
+		t.Errorf("Stripe-Should-Retry %q, %d runs", r.header.Get("Stripe-Should-Retry"), a.runs.Load())
+	}
+}
+
 func TestCanonicalJSONAndFieldSelection(t *testing.T) {
 	a := &app{handler: charge}
 	eng := newEngine(t, memstore.New())
@@ -1274,6 +1292,47 @@ func TestDeclaredTrailerIsReplayedAsTrailer(t *testing.T) {
 	}
 	if a.runs.Load() != 1 {
 		t.Fatalf("ran %d times", a.runs.Load())
+	}
+}
+
+// TestStreamedTrailersReachTheClient: a streaming handler keeps its header
+// map (net/http gives one map for the whole response), flushes, and sets
+// its trailers in that map once the body is written, one declared and one
+// under http.TrailerPrefix. The client gets both, as without the
+// middleware. (After a flush the handler's map was a dead copy: they were
+// lost.)
+func TestStreamedTrailersReachTheClient(t *testing.T) {
+	handler := func(w http.ResponseWriter, r *http.Request) {
+		h := w.Header()
+		h.Set("Trailer", "X-Checksum")
+		w.WriteHeader(http.StatusOK)
+		io.WriteString(w, "part1")
+		http.NewResponseController(w).Flush()
+		io.WriteString(w, "part2")
+		h.Set("X-Checksum", "abc123")
+		h.Set(http.TrailerPrefix+"X-Rows", "2")
+	}
+	mw, err := httpidem.New(httpidem.Config{Engine: newEngine(t, memstore.New())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, which := range []struct {
+		name string
+		h    http.Handler
+	}{{"without the middleware", http.HandlerFunc(handler)}, {"with it", mw.Wrap(http.HandlerFunc(handler))}} {
+		srv := httptest.NewServer(which.h)
+		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader("x"))
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		srv.Close()
+		if string(body) != "part1part2" || resp.Trailer.Get("X-Checksum") != "abc123" || resp.Trailer.Get("X-Rows") != "2" {
+			t.Errorf("%s: %q, trailers %v", which.name, body, resp.Trailer)
+		}
 	}
 }
 
