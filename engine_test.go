@@ -579,3 +579,35 @@ func TestOutcomeAfterCloseIsNotDroppedSilently(t *testing.T) {
 		t.Fatalf("Complete after Close, the store down, no journal directory: %v; want ErrUnavailable", err)
 	}
 }
+
+// stallingCheckpoints is a store whose checkpoints are never answered (a
+// dead connection, a row lock) while every other call is.
+type stallingCheckpoints struct{ idem.Store }
+
+func (s stallingCheckpoints) Checkpoint(ctx context.Context, p store.CheckpointParams) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestCheckpointIsBoundedByTheStoreTimeout: a checkpoint the store does
+// not answer is unavailable after the store timeout, like every other call
+// the engine makes for a request. (It waited on the handler's context,
+// which Hold cancels only when the lease is lost, and renewals kept it: the
+// request hung for good.)
+func TestCheckpointIsBoundedByTheStoreTimeout(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: stallingCheckpoints{memstore.New()}, StoreTimeout: 100 * time.Millisecond, Lease: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	held, stop := eng.Hold(context.WithoutCancel(ctx), out.Lease) // as httpidem gives the handler
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- eng.Checkpoint(held, out.Lease, "authorize", []byte("x")) }()
+	if err := wait.Recv(t, done, 10*time.Second, "the checkpoint's end (store timeout 100ms)"); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Checkpoint = %v, want ErrUnavailable", err)
+	}
+}
