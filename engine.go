@@ -477,6 +477,7 @@ func (e *Engine) Renew(ctx context.Context, l Lease) (Lease, error) {
 	if err := e.store.Renew(ctx, store.RenewParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, LeaseExpires: expires}); err != nil {
 		if errors.Is(err, ErrLeaseLost) {
 			e.owners.done(l)
+			e.local.Notify(ctx, l.Scope, l.Key) // the waiters on this owner look again
 		}
 		return l, err
 	}
@@ -574,8 +575,13 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 	case err == nil:
 		e.notify(ctx, l.Scope, l.Key)
 		return nil
-	case errors.Is(err, ErrLeaseLost) && state == StateCompleted && e.adopt(ctx, l, resp):
-		return nil
+	case errors.Is(err, ErrLeaseLost):
+		// Somebody else settled or took the record: this process's
+		// waiters, who waited on this owner, look at it again.
+		e.local.Notify(ctx, l.Scope, l.Key)
+		if state == StateCompleted && e.adopt(ctx, l, resp) {
+			return nil
+		}
 	}
 	return err
 }

@@ -2,6 +2,8 @@ package idem_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -177,5 +179,52 @@ func TestAwaitHearsACompletionDuringItsLookup(t *testing.T) {
 	}
 	if out := wait.Recv(t, await(second, time.Minute), 10*time.Second, "the waiter to be woken"); out.Decision != idem.Replay {
 		t.Fatalf("waiter got %v, want the replay", out.Decision)
+	}
+}
+
+// TestLocalWaitersWakeWhenTheOwnerLosesItsLease: duplicates wait in engine
+// x for a request x runs; another engine settles the record under x's lease
+// (an operator's resolve --force, the console) and x's owner then learns
+// that its lease is lost. The waiters wake at once to the replay the store
+// holds. (They waited on x's owner, which never notified them when its
+// write was refused, and slept out their whole wait.)
+func TestLocalWaitersWakeWhenTheOwnerLosesItsLease(t *testing.T) {
+	shared := memstore.New()
+	n := &sharedNotifier{}
+	x, err := idem.New(idem.Config{Store: shared, Notifier: n, Poll: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := idem.New(idem.Config{Store: shared, Notifier: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := x.Begin(ctx, charge)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	const waiters = 5
+	outs := make(chan idem.Outcome, waiters)
+	for range waiters {
+		go func() {
+			out, _ := x.Await(ctx, charge, time.Hour)
+			outs <- out
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait", func() bool { return x.Waiting(charge.Scope, charge.Key) == waiters })
+	rec, err := y.Get(ctx, charge.Scope, charge.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := y.Settle(ctx, rec.Lease(), idem.Settlement{State: idem.StateCompleted, Response: &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.Complete(ctx, first.Lease, &idem.Response{Status: 500}); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the owner's Complete over the settlement: %v, want ErrLeaseLost", err)
+	}
+	for i := range waiters {
+		if out := wait.Recv(t, outs, 10*time.Second, fmt.Sprintf("waiter %d's answer (each waits up to an hour)", i)); out.Decision != idem.Replay {
+			t.Errorf("waiter %d: %v, want the replay the store holds", i, out.Decision)
+		}
 	}
 }
