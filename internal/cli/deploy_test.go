@@ -48,6 +48,7 @@ func TestKubernetesExample(t *testing.T) {
 		config string
 		grace  int
 		idem   []container
+		others []container // beside idem in its pod: the API
 	)
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	for {
@@ -74,6 +75,7 @@ func TestKubernetesExample(t *testing.T) {
 		for _, c := range doc.Spec.Template.Spec.Containers {
 			if c.Name == "idem" {
 				idem, grace = append(idem, c), doc.Spec.Template.Spec.Grace
+				others = slices.DeleteFunc(slices.Clone(doc.Spec.Template.Spec.Containers), func(c container) bool { return c.Name == "idem" })
 			}
 		}
 	}
@@ -112,6 +114,14 @@ func TestKubernetesExample(t *testing.T) {
 	}
 	if time.Duration(grace)*time.Second <= sleep+cfg.ShutdownTimeout {
 		t.Errorf("terminationGracePeriodSeconds %d is not above the preStop sleep %v plus shutdown_timeout %v", grace, sleep, cfg.ShutdownTimeout)
+	}
+	// Kubernetes sends SIGTERM to every container of the pod at once: the
+	// API must serve the requests the proxy finishes meanwhile.
+	for _, api := range others {
+		if apiSleep := time.Duration(api.Lifecycle.PreStop.Sleep.Seconds) * time.Second; apiSleep < sleep+cfg.ShutdownTimeout {
+			t.Errorf("the %s container stops after a preStop sleep of %v, before idem has drained (%v and shutdown_timeout %v): requests in flight end UNKNOWN",
+				api.Name, apiSleep, sleep, cfg.ShutdownTimeout)
+		}
 	}
 }
 

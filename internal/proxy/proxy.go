@@ -580,7 +580,18 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 		BufferPool: buffers,
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
+			// What the load balancer in front said of the original request
+			// reaches the API as without the sidecar (Rewrite drops it):
+			// X-Forwarded-For with the sidecar's peer appended, as a
+			// ReverseProxy with a Director does; the client's scheme and
+			// host, and Forwarded, as they came.
+			pr.Out.Header["X-Forwarded-For"] = pr.In.Header["X-Forwarded-For"]
 			pr.SetXForwarded()
+			for _, name := range []string{"X-Forwarded-Host", "X-Forwarded-Proto", "Forwarded"} {
+				if v, ok := pr.In.Header[name]; ok {
+					pr.Out.Header[name] = v
+				}
+			}
 			pr.Out.Host = pr.In.Host
 			neverResent(pr.Out)
 			a := new(attempt)

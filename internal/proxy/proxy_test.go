@@ -664,3 +664,26 @@ func TestPinRetentions(t *testing.T) {
 		t.Error("PinRetentions changed the config it was called on")
 	}
 }
+
+// TestForwardedHeadersReachTheAPI: behind an ingress that terminates TLS,
+// the API reads the client's scheme, host and address from the headers the
+// ingress sets; the sidecar passes them on, X-Forwarded-For with its own
+// peer appended, as the API got them without it. (They were replaced with
+// what the sidecar saw: http, its peer, its host; Forwarded was dropped.)
+func TestForwardedHeadersReachTheAPI(t *testing.T) {
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		fmt.Fprintf(w, "proto=%s for=%s host=%s forwarded=%s",
+			r.Header.Get("X-Forwarded-Proto"), r.Header.Get("X-Forwarded-For"), r.Header.Get("X-Forwarded-Host"), r.Header.Get("Forwarded"))
+	}}
+	srv := start(t, proxy.Config{}, mustEngine(t, memstore.New()), up)
+	r := post(t, srv, "/v1/charges", "k", "{}", "X-Forwarded-Proto", "https", "X-Forwarded-For", "203.0.113.7",
+		"X-Forwarded-Host", "api.example.com", "Forwarded", "for=203.0.113.7;proto=https")
+	if want := `proto=https for=203.0.113.7, 127.0.0.1 host=api.example.com forwarded=for=203.0.113.7;proto=https`; r.body != want {
+		t.Errorf("the API saw %q, want %q", r.body, want)
+	}
+	// A request that came with none gets the sidecar's view, as before.
+	r = post(t, srv, "/v1/charges", "k2", "{}")
+	if host := strings.TrimPrefix(srv.URL, "http://"); r.body != "proto=http for=127.0.0.1 host="+host+" forwarded=" {
+		t.Errorf("the API saw %q", r.body)
+	}
+}
