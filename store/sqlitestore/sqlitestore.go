@@ -57,7 +57,9 @@
 //
 // [Store.DB] is the store's database, so an application can keep its own
 // tables in the same file and complete a record in the same transaction as
-// its business writes with [Store.FinishTx].
+// its business writes with [Store.FinishTx]. The store's tables are named
+// idem_*; the file's user_version is left to the application (the store
+// records its migrations in idem_migrations).
 package sqlitestore
 
 import (
@@ -69,6 +71,7 @@ import (
 	"io/fs"
 	"net/url"
 	"os"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -213,8 +216,14 @@ func (s *Store) Close() error {
 	return s.db.Close()
 }
 
-// migrate applies, in order, every embedded migration newer than the file's
-// user_version, in one write transaction.
+// migrate applies, in order, the embedded migrations not yet applied to the
+// file, in one write transaction, and records each in idem_migrations. The
+// file is the application's too (Store.DB): its user_version is the
+// application's, never read or written here. A file whose migrations
+// release 0.1.0 counted in user_version has no idem_migrations: what it
+// applied is read from its schema (0001 made idem_records, 0002 added its
+// checkpoints column) and recorded. A version this build does not know (a
+// newer idem's) is left alone, as its migrations keep older builds working.
 func (s *Store) migrate(ctx context.Context) error {
 	names, err := fs.Glob(migrations, "migrations/*.sql")
 	if err != nil {
@@ -227,24 +236,61 @@ func (s *Store) migrate(ctx context.Context) error {
 	}
 	defer tx.Rollback()
 	err = func() error {
-		var version int
-		if err := tx.QueryRowContext(ctx, "PRAGMA user_version").Scan(&version); err != nil {
+		applied := map[int]bool{}
+		var tracked bool
+		if err := tx.QueryRowContext(ctx, `SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = 'idem_migrations'`).Scan(&tracked); err != nil {
 			return err
 		}
-		for i, name := range names {
-			if i < version {
-				continue
-			}
-			ddl, err := migrations.ReadFile(name)
+		if tracked {
+			rows, err := tx.QueryContext(ctx, `SELECT version FROM idem_migrations`)
 			if err != nil {
 				return err
 			}
-			if _, err := tx.ExecContext(ctx, string(ddl)); err != nil {
-				return fmt.Errorf("applying %s: %w", name, err)
+			defer rows.Close()
+			for rows.Next() {
+				var v int
+				if err := rows.Scan(&v); err != nil {
+					return err
+				}
+				applied[v] = true
+			}
+			if err := rows.Err(); err != nil {
+				return err
+			}
+		} else {
+			var records, checkpoints bool
+			if err := tx.QueryRowContext(ctx, `SELECT
+				(SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = 'idem_records'),
+				(SELECT count(*) > 0 FROM pragma_table_info('idem_records') WHERE name = 'checkpoints')`).Scan(&records, &checkpoints); err != nil {
+				return err
+			}
+			applied[1], applied[2] = records, checkpoints
+			if _, err := tx.ExecContext(ctx, `CREATE TABLE idem_migrations (version INTEGER PRIMARY KEY, applied TEXT NOT NULL)`); err != nil {
+				return err
 			}
 		}
-		_, err := tx.ExecContext(ctx, "PRAGMA user_version = "+strconv.Itoa(len(names)))
-		return err
+		for _, name := range names {
+			version, err := strconv.Atoi(strings.SplitN(path.Base(name), "_", 2)[0]) // migrations/000N_*.sql
+			if err != nil {
+				return fmt.Errorf("migration %s is not named 000N_name.sql", name)
+			}
+			if !applied[version] {
+				ddl, err := migrations.ReadFile(name)
+				if err != nil {
+					return err
+				}
+				if _, err := tx.ExecContext(ctx, string(ddl)); err != nil {
+					return fmt.Errorf("applying %s: %w", name, err)
+				}
+			}
+			// The time applied is bookkeeping for operators, not record
+			// semantics: SQLite's clock is fine.
+			if _, err := tx.ExecContext(ctx, `INSERT INTO idem_migrations (version, applied)
+				VALUES (?, strftime('%Y-%m-%dT%H:%M:%SZ', 'now')) ON CONFLICT DO NOTHING`, version); err != nil {
+				return err
+			}
+		}
+		return nil
 	}()
 	if err == nil {
 		err = tx.Commit()

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
@@ -264,5 +265,102 @@ func TestNewDatabaseIsPrivate(t *testing.T) {
 		if st.Mode().Perm() != 0o600 {
 			t.Errorf("%s has mode %v; want 0600", filepath.Base(p), st.Mode().Perm())
 		}
+	}
+}
+
+// TestUserVersionIsTheApplications: the store keeps its migrations in a
+// table of its own, never in the file's user_version, which is one value
+// for the whole file and the application's (its own tables may share the
+// file: Store.DB). An application at user_version 1 or 5 before idem first
+// opens the file, idem first then the application, and a file where a
+// newer idem recorded a migration this one does not know: the store opens,
+// and the user_version is as the application (or nobody) left it. (It
+// skipped its first migrations when user_version was set, failing to open;
+// set user_version to its own count, even when it then failed; and lowered
+// a newer idem's.)
+func TestUserVersionIsTheApplications(t *testing.T) {
+	userVersion := func(t *testing.T, db *sql.DB) int {
+		t.Helper()
+		var v int
+		if err := db.QueryRow(`PRAGMA user_version`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	for _, appVersion := range []int{0, 1, 5} {
+		path := filepath.Join(t.TempDir(), "app.db")
+		if appVersion > 0 {
+			app, err := sql.Open("sqlite", path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := app.Exec(`CREATE TABLE ledger (key TEXT PRIMARY KEY, amount INTEGER); PRAGMA user_version = ` + strconv.Itoa(appVersion)); err != nil {
+				t.Fatal(err)
+			}
+			app.Close()
+		}
+		for range 2 { // opened again: nothing applied twice
+			s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path})
+			if err != nil {
+				t.Fatalf("opening the application's file at user_version %d: %v", appVersion, err)
+			}
+			if v := userVersion(t, s.DB()); v != appVersion {
+				t.Errorf("user_version %d after idem opened the file, want the application's %d", v, appVersion)
+			}
+			mustAcquire(t, s, "k"+strconv.Itoa(appVersion))
+			s.Close()
+		}
+	}
+	// A newer idem's migration, unknown here: left alone.
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s := open(t, path)
+	if _, err := s.DB().Exec(`ALTER TABLE idem_records ADD COLUMN future BLOB; INSERT INTO idem_migrations (version, applied) VALUES (3, 'later')`); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	s = open(t, path)
+	var n int
+	if err := s.DB().QueryRow(`SELECT count(*) FROM idem_migrations WHERE version = 3`).Scan(&n); err != nil || n != 1 {
+		t.Errorf("a newer idem's migration: %d recorded, %v", n, err)
+	}
+	mustAcquire(t, s, "k")
+}
+
+// TestReleasedFileIsUpgraded: a file that release 0.1.0 migrated, which
+// counted its migrations in user_version, opens without applying them
+// again, and the application's tables and records stay.
+func TestReleasedFileIsUpgraded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	db, err := sql.Open("sqlite", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"migrations/0001_records.sql", "migrations/0002_checkpoints.sql"} {
+		ddl, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec(string(ddl)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := db.Exec(`PRAGMA user_version = 2`); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	s := open(t, path)
+	mustAcquire(t, s, "k")
+	var n int
+	if err := s.DB().QueryRow(`SELECT count(*) FROM idem_migrations WHERE version IN (1, 2)`).Scan(&n); err != nil || n != 2 {
+		t.Errorf("0.1.0's migrations recorded: %d, %v", n, err)
+	}
+}
+
+func mustAcquire(t *testing.T, s *sqlitestore.Store, key string) {
+	t.Helper()
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	r, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: key, Fingerprint: "fp", Token: "tok-" + key, Now: now, LeaseExpires: now.Add(time.Minute)})
+	if err != nil || r.Token != "tok-"+key {
+		t.Fatalf("Acquire(%q) = %+v, %v", key, r, err)
 	}
 }
