@@ -109,7 +109,7 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 // be there: a SQLite DSN naming no file is an error wrapping
 // [idem.ErrInvalid], rather than a new, empty database.
 func OpenExisting(ctx context.Context, dsn string) (*Opened, error) {
-	if path, ok := sqlitePath(dsn); ok && path != "" && !strings.HasPrefix(path, ":memory:") {
+	if path, ok := sqlitePath(dsn); ok && path != "" {
 		if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("%w: store %s: there is no database at %s (is the store right?)", idem.ErrInvalid, dsn, path)
 		}

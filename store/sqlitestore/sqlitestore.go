@@ -145,6 +145,10 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Path == "" {
 		return nil, fmt.Errorf("%w: sqlitestore: no path", store.ErrInvalid)
 	}
+	if strings.HasPrefix(cfg.Path, ":memory:") {
+		// Each connection of the pool would open a database of its own.
+		return nil, fmt.Errorf("%w: sqlitestore: %s is not a file (for records in memory, use memstore, DSN memory:)", store.ErrInvalid, cfg.Path)
+	}
 	busy := cfg.BusyTimeout
 	if busy == 0 {
 		busy = DefaultBusyTimeout
@@ -157,10 +161,8 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	// A new database is readable by its owner alone: it holds the stored
 	// responses. (SQLite gives its -wal and -shm files the database's mode.)
 	// A path that cannot be created is left for SQLite to report.
-	if !strings.HasPrefix(cfg.Path, ":memory:") {
-		if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
-			f.Close()
-		}
+	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
+		f.Close()
 	}
 	dsn := "file:" + (&url.URL{Path: cfg.Path}).EscapedPath() + "?" + q.Encode()
 	db, err := sql.Open("sqlite", dsn)

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -362,5 +363,16 @@ func mustAcquire(t *testing.T, s *sqlitestore.Store, key string) {
 	r, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: key, Fingerprint: "fp", Token: "tok-" + key, Now: now, LeaseExpires: now.Add(time.Minute)})
 	if err != nil || r.Token != "tok-"+key {
 		t.Fatalf("Acquire(%q) = %+v, %v", key, r, err)
+	}
+}
+
+// TestInMemoryPathIsRefused: ":memory:" would give each connection of the
+// pool a database of its own (the migrations on one, the statements on
+// another): it is refused as invalid, naming what to use instead, rather
+// than failing with "no such table".
+func TestInMemoryPathIsRefused(t *testing.T) {
+	_, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: ":memory:"})
+	if !errors.Is(err, idem.ErrInvalid) || !strings.Contains(err.Error(), "memstore") {
+		t.Fatalf("Open(:memory:) = %v, want ErrInvalid naming memstore", err)
 	}
 }
