@@ -19,6 +19,12 @@ BEGIN
 			UPDATE idem_walcost.raw SET state = 'completed', body = convert_to(repeat('x', 220), 'UTF8')
 			WHERE scope = '' AND key = k;
 			COMMIT;
+		ELSIF tbl = 'raw_scoped' THEN
+			INSERT INTO idem_walcost.raw_scoped VALUES (repeat('5e', 32), k, 'in_progress') ON CONFLICT DO NOTHING;
+			COMMIT;
+			UPDATE idem_walcost.raw_scoped SET state = 'completed', body = convert_to(repeat('x', 220), 'UTF8')
+			WHERE scope = repeat('5e', 32) AND key = k;
+			COMMIT;
 		ELSIF tbl = 'lean_no_partial' THEN
 			INSERT INTO idem_walcost.lean_no_partial (scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, created, updated)
 			VALUES ('tenant', k, 'p', decode(repeat('ab', 129), 'hex'), decode(repeat('cd', 16), 'hex'), 1, now() + interval '30s', false, now(), now())

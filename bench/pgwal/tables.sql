@@ -36,3 +36,7 @@ CREATE TABLE idem_walcost.lean_no_partial (
 -- The raw limit (bench/serve.go's rawTable).
 CREATE TABLE idem_walcost.raw (scope text NOT NULL, key text NOT NULL, state text NOT NULL,
 	body bytea, PRIMARY KEY (scope, key));
+-- The raw limit keyed as idem keys a record: under the caller's scope
+-- (HashScope's 64 hex digits), which a check for more than one caller
+-- needs, or one caller's key replays another's answer.
+CREATE TABLE idem_walcost.raw_scoped (LIKE idem_walcost.raw INCLUDING ALL);

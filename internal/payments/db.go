@@ -25,6 +25,9 @@ type DB interface {
 	// QueryRow runs a query outside any transaction. Queries use ?
 	// placeholders.
 	QueryRow(ctx context.Context, query string, args ...any) Row
+	// Query runs a query outside any transaction and calls each with the
+	// Scan of every row it returns, in turn.
+	Query(ctx context.Context, query string, each func(scan func(dest ...any) error) error, args ...any) error
 	// Exec runs a statement outside any transaction.
 	Exec(ctx context.Context, query string, args ...any) error
 }
@@ -98,6 +101,20 @@ func (d sqliteDB) QueryRow(ctx context.Context, q string, args ...any) Row {
 	return sqlRow{d.db.QueryRowContext(ctx, q, args...)}
 }
 
+func (d sqliteDB) Query(ctx context.Context, q string, each func(func(...any) error) error, args ...any) error {
+	rows, err := d.db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
 func (d sqliteDB) Exec(ctx context.Context, q string, args ...any) error {
 	_, err := d.db.ExecContext(ctx, q, args...)
 	return err
@@ -161,6 +178,20 @@ func (d pgDB) InTx(ctx context.Context, fn func(Tx) error) error {
 
 func (d pgDB) QueryRow(ctx context.Context, q string, args ...any) Row {
 	return pgRow{d.pool.QueryRow(ctx, rebind(q), args...)}
+}
+
+func (d pgDB) Query(ctx context.Context, q string, each func(func(...any) error) error, args ...any) error {
+	rows, err := d.pool.Query(ctx, rebind(q), args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
 }
 
 func (d pgDB) Exec(ctx context.Context, q string, args ...any) error {

@@ -180,7 +180,13 @@ func decodeCharge(r io.Reader) (chargeRequest, error) {
 	var req chargeRequest
 	dec := json.NewDecoder(io.LimitReader(r, 1<<16))
 	dec.DisallowUnknownFields()
-	switch err := dec.Decode(&req); {
+	err := dec.Decode(&req)
+	if err == nil {
+		if _, end := dec.Token(); end != io.EOF { // a second value, or a stray } or ]
+			err = errors.New("there is more after the charge")
+		}
+	}
+	switch {
 	case errors.Is(err, io.EOF):
 		return req, errors.New("the body is empty; send a charge such as " + chargeExample)
 	case err != nil:
@@ -188,7 +194,7 @@ func decodeCharge(r io.Reader) (chargeRequest, error) {
 	case req.Amount < 1 || req.Amount > 1e9:
 		return req, fmt.Errorf("amount %d: want a whole number of cents from 1 to 1000000000", req.Amount)
 	case !currencyRE.MatchString(req.Currency):
-		return req, fmt.Errorf("currency %q: want an ISO 4217 code in lower case, such as eur", req.Currency)
+		return req, fmt.Errorf("currency %q: want three lower-case letters (an ISO 4217 code), such as eur", req.Currency)
 	case !customerRE.MatchString(req.Customer):
 		return req, fmt.Errorf("customer %q: want 1 to 64 letters, digits, _ or -, such as cus_1", req.Customer)
 	}
@@ -388,14 +394,27 @@ func (s *Service) getCharge(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// getBalance answers a customer's balance in each currency it was charged
+// in (amounts in different currencies do not add up), and the number of
+// its debits.
 func (s *Service) getBalance(w http.ResponseWriter, r *http.Request) {
-	var balance, debits int64
-	err := s.cfg.DB.QueryRow(r.Context(), `SELECT COALESCE(SUM(amount), 0), COUNT(*) FROM payments_ledger WHERE customer = ?`,
-		r.PathValue("id")).Scan(&balance, &debits)
+	balances := map[string]int64{}
+	var debits int64
+	err := s.cfg.DB.Query(r.Context(), `SELECT c.currency, SUM(l.amount), COUNT(*) FROM payments_ledger l
+		JOIN payments_charges c ON c.id = l.charge_id WHERE l.customer = ? GROUP BY c.currency`,
+		func(scan func(...any) error) error {
+			var currency string
+			var sum, n int64
+			if err := scan(&currency, &sum, &n); err != nil {
+				return err
+			}
+			balances[currency], debits = sum, debits+n
+			return nil
+		}, r.PathValue("id"))
 	if err != nil {
 		s.log.Error("payments: reading a balance", "err", err)
 		problem(w, http.StatusServiceUnavailable, "unavailable", "the database could not be reached; retry")
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"customer": r.PathValue("id"), "balance": balance, "debits": debits})
+	writeJSON(w, http.StatusOK, map[string]any{"customer": r.PathValue("id"), "balances": balances, "debits": debits})
 }

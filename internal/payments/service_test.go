@@ -111,7 +111,7 @@ func TestChargeLifecycle(t *testing.T) {
 	if code, _ := f.do(t, "GET", "/v1/charges/ch_nope", "", ""); code != 404 {
 		t.Fatalf("GET a missing charge: %d", code)
 	}
-	if code, b := f.do(t, "GET", "/v1/customers/cus_1/balance", "", ""); code != 200 || b["balance"] != -250.0 || b["debits"] != 1.0 {
+	if code, b := f.do(t, "GET", "/v1/customers/cus_1/balance", "", ""); code != 200 || balance(b, "eur") != -250 || b["debits"] != 1.0 {
 		t.Fatalf("balance: %d %v", code, b)
 	}
 	if code, _ := f.do(t, "POST", "/v1/charges", "", `{"amount":1,"currency":"eur","customer":"cus_1"}`); code != 400 {
@@ -156,7 +156,7 @@ func TestLostReplyIsReconciled(t *testing.T) {
 	if code != 201 || ch["status"] != "succeeded" || ch["amount"] != 700.0 {
 		t.Fatalf("retry after reconciling: %d %v", code, ch)
 	}
-	if code, b := f.do(t, "GET", "/v1/customers/cus_2/balance", "", ""); code != 200 || b["balance"] != -700.0 || b["debits"] != 1.0 {
+	if code, b := f.do(t, "GET", "/v1/customers/cus_2/balance", "", ""); code != 200 || balance(b, "usd") != -700 || b["debits"] != 1.0 {
 		t.Fatalf("balance: %v", b)
 	}
 	if s := f.acq.Stats(); s.Charges != 1 || s.DuplicateKeys != 0 {
@@ -221,6 +221,9 @@ func TestInvalidChargeSaysWhy(t *testing.T) {
 		`{"amount":100,"currency":"eur","customer":"a b"}`:       `customer "a b"`,
 		`{"amount":100,"currency":"eur","customer":"c","tip":1}`: `unknown field "tip"`,
 		`{"amount":"100","currency":"eur","customer":"cus_1"}`:   "not a charge",
+		// A second value after the charge, or a stray brace: not one charge.
+		`{"amount":1000,"currency":"eur","customer":"cus_1"} {"amount":999999}`: "more after the charge",
+		`{"amount":1000,"currency":"eur","customer":"cus_1"}}`:                  "not a charge",
 	} {
 		code, p := f.do(t, "POST", "/v1/charges", "k-invalid", body)
 		detail, _ := p["detail"].(string)
@@ -231,6 +234,28 @@ func TestInvalidChargeSaysWhy(t *testing.T) {
 	if code, ch := f.do(t, "POST", "/v1/charges", "k-invalid", `{"amount":1000,"currency":"eur","customer":"cus_1"}`); code != 201 {
 		t.Fatalf("the example the errors give: %d %v", code, ch)
 	}
+}
+
+// TestBalanceIsPerCurrency: charges in two currencies are two balances
+// (1000 euro cents and 1000 yen do not add up).
+func TestBalanceIsPerCurrency(t *testing.T) {
+	f := newFixture(t)
+	for key, cur := range map[string]string{"k-eur": "eur", "k-jpy": "jpy"} {
+		if code, ch := f.do(t, "POST", "/v1/charges", key, `{"amount":1000,"currency":"`+cur+`","customer":"cus_m"}`); code != 201 {
+			t.Fatalf("charge in %s: %d %v", cur, code, ch)
+		}
+	}
+	code, b := f.do(t, "GET", "/v1/customers/cus_m/balance", "", "")
+	if code != 200 || balance(b, "eur") != -1000 || balance(b, "jpy") != -1000 || b["debits"] != 2.0 {
+		t.Fatalf("balance: %d %v; want -1000 in eur and in jpy, 2 debits", code, b)
+	}
+}
+
+// balance is a balance answer's amount in one currency.
+func balance(b map[string]any, currency string) float64 {
+	m, _ := b["balances"].(map[string]any)
+	v, _ := m[currency].(float64)
+	return v
 }
 
 // TestFaultsEndpoint: faults are set with durations and fractions; an
@@ -299,7 +324,7 @@ func TestCallerGoneBeforeTheChargeIsNotCharged(t *testing.T) {
 	if s := f.acq.Stats(); s.Charges != 1 || s.DuplicateKeys != 0 || s.Abandoned != 1 {
 		t.Errorf("acquirer: %+v; want one charge, and the authorization given up on abandoned", s)
 	}
-	if _, b := f.do(t, "GET", "/v1/customers/cus_9/balance", "", ""); b["balance"] != -700.0 || b["debits"] != 1.0 {
+	if _, b := f.do(t, "GET", "/v1/customers/cus_9/balance", "", ""); balance(b, "usd") != -700 || b["debits"] != 1.0 {
 		t.Errorf("balance: %v; want one debit of 700", b)
 	}
 }
