@@ -147,7 +147,9 @@ func TestBatch(t *testing.T) {
 // than the scan that started it is not cut short with it: the scan answers
 // unavailable when its deadline passes, the rebuild goes on and commits, and
 // the scans after it find what records_due had lost. (The rebuild is held
-// back by its own advisory lock, which the test holds.)
+// back by a transaction that wrote the row of records_due it copies and
+// stays open: it waits, steps aside and tries again, until the
+// transaction has ended.)
 func TestRebuildOutlastsItsCaller(t *testing.T) {
 	bg := context.Background()
 	s, pool, schema := newStore(t, 4)
@@ -155,18 +157,17 @@ func TestRebuildOutlastsItsCaller(t *testing.T) {
 	if _, err := s.Acquire(bg, store.AcquireParams{Key: "stale", Fingerprint: "fp", Token: "tok", Now: now, LeaseExpires: now.Add(time.Second)}); err != nil {
 		t.Fatal(err)
 	}
+	due := pgx.Identifier{schema, "records_due"}.Sanitize()
 	// records_due as PostgreSQL leaves it after a crash: empty.
-	if _, err := pool.Exec(bg, "TRUNCATE "+pgx.Identifier{schema, "records_due"}.Sanitize()); err != nil {
+	if _, err := pool.Exec(bg, "TRUNCATE "+due); err != nil {
 		t.Fatal(err)
 	}
-
-	hold, err := pool.Acquire(bg)
+	hold, err := pool.Begin(bg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer hold.Release()
-	lock := lockKey("records_due", schema)
-	if _, err := hold.Exec(bg, "SELECT pg_advisory_lock($1)", lock); err != nil {
+	defer hold.Rollback(bg)
+	if _, err := hold.Exec(bg, "INSERT INTO "+due+" (scope, key, expires) VALUES ('', 'stale', NULL)"); err != nil {
 		t.Fatal(err)
 	}
 	scan := store.ScanParams{Now: now.Add(time.Minute)}
@@ -174,16 +175,16 @@ func TestRebuildOutlastsItsCaller(t *testing.T) {
 	defer cancel()
 	scanned := make(chan error, 1)
 	go func() { _, err := s.Scan(short, scan); scanned <- err }()
-	wait.Until(t, 10*time.Second, "the rebuild to wait for its lock", func() bool {
-		var waiting bool
-		err := hold.QueryRow(bg, `SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
-			AND ((classid::bigint << 32) | objid::bigint) = $1`, lock).Scan(&waiting)
-		return err == nil && waiting
+	wait.Until(t, 10*time.Second, "the rebuild to wait for the open transaction", func() bool {
+		var n int
+		err := pool.QueryRow(bg, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND wait_event_type = 'Lock' AND query LIKE '%records_due%'`).Scan(&n)
+		return err == nil && n > 0
 	})
 	if err := wait.Recv(t, scanned, 10*time.Second, "the scan whose deadline passed"); !errors.Is(err, store.ErrUnavailable) {
 		t.Fatalf("Scan while records_due is rebuilt: %v; want ErrUnavailable", err)
 	}
-	if _, err := hold.Exec(bg, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+	if err := hold.Rollback(bg); err != nil {
 		t.Fatal(err)
 	}
 	wait.Until(t, 10*time.Second, "the rebuild to commit after its caller gave up", func() bool {

@@ -87,7 +87,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 		err := s.migrate(ctx, ms)
 		if err == nil {
 			s.layout.Store(0) // read it again: the migrations may have created the table
-			if _, err := s.readLayout(ctx); err != nil {
+			if _, err := s.readLayout(ctx, nil); err != nil {
 				return translate("migrate", err)
 			}
 			return nil

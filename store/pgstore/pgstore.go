@@ -43,7 +43,11 @@
 // the table from records (about 13 µs a record here: 27 s for 2 million)
 // and answers once it is whole; a scan or prune whose deadline comes first
 // is unavailable, and the rebuild goes on. It copies 10,000 records per
-// transaction, so a write meanwhile waits at most for the part under way. Applied migrations are listed in
+// transaction, so a write meanwhile waits at most for the part under way,
+// and a part waits at most 200 ms for a row that an open transaction wrote
+// (a business transaction between its FinishTx and its COMMIT) before it
+// steps aside and tries again. While another process rebuilds, scans and
+// prunes are unavailable and hold no connection. Applied migrations are listed in
 // <schema>.migrations:
 //
 //	001_records.sql      the table and its indexes
@@ -252,14 +256,20 @@ const (
 
 // readLayout learns the records table's layout from the type of its
 // fingerprint column, once: Migrate reads it, or the first write after a
-// New that did not migrate. A table that does not exist yet is taken as
-// compact, as the migrations create it, but not remembered.
-func (s *Store) readLayout(ctx context.Context) (int32, error) {
+// New that did not migrate, through tx when it is a FinishTx (which must
+// not need another of the pool's connections), else through the pool. A
+// table that does not exist yet is taken as compact, as the migrations
+// create it, but not remembered.
+func (s *Store) readLayout(ctx context.Context, tx pgx.Tx) (int32, error) {
 	if l := s.layout.Load(); l != 0 {
 		return l, nil
 	}
+	query := s.pool.QueryRow
+	if tx != nil {
+		query = tx.QueryRow
+	}
 	var text bool
-	err := s.pool.QueryRow(ctx, `SELECT atttypid = 'text'::regtype FROM pg_attribute
+	err := query(ctx, `SELECT atttypid = 'text'::regtype FROM pg_attribute
 		WHERE attrelid = to_regclass($1) AND attname = 'fingerprint' AND NOT attisdropped`,
 		pgx.Identifier{s.schema, "records"}.Sanitize()).Scan(&text)
 	switch {
@@ -277,7 +287,7 @@ func (s *Store) readLayout(ctx context.Context) (int32, error) {
 
 // fingerprint is f as the records table keeps it.
 func (s *Store) fingerprint(ctx context.Context, f store.Fingerprint) (any, error) {
-	l, err := s.readLayout(ctx)
+	l, err := s.readLayout(ctx, nil)
 	if l == layoutText {
 		return string(f), err
 	}
@@ -597,7 +607,7 @@ func (s *Store) finish(ctx context.Context, tx pgx.Tx, op string, p store.Finish
 	}
 	var response, expires any // NULL unless set below
 	if p.Response != nil {
-		l, err := s.readLayout(ctx)
+		l, err := s.readLayout(ctx, tx)
 		if err != nil {
 			return translate(op, err)
 		}
@@ -912,10 +922,26 @@ type fill struct {
 // dueChunk is how many records one transaction of a rebuild copies.
 const dueChunk = 10000
 
+// A part of a rebuild waits at most dueLockTimeout for a row of
+// records_due that another transaction wrote and has not committed (a
+// business transaction between its FinishTx and its COMMIT): meanwhile the
+// rows the part copied before it hold up the writes of their records. It
+// then rolls back, steps aside for a moment and tries again, dueAttempts
+// times, before the rebuild gives up until the next scan or prune.
+const (
+	dueLockTimeout = "200ms"
+	dueAttempts    = 20
+)
+
+// errRebuiltElsewhere is a rebuild that another process is running.
+var errRebuiltElsewhere = fmt.Errorf("%w: records_due is being rebuilt by another process", store.ErrUnavailable)
+
 // fillDue rebuilds records_due, part by part (dueFillSQL), and then writes
-// its mark, under a lock that makes concurrent rebuilds, in other
-// processes, wait for the first rather than repeat its work: a lock of the
-// session, on a connection of its own, held across the parts.
+// its mark, under a lock of the session (on a connection of its own, held
+// across the parts) that makes a rebuild in another process step aside
+// rather than repeat the work: it is unavailable, and holds no connection
+// while the other one runs. The session's lock_timeout is dueLockTimeout
+// meanwhile, and then as it was.
 func (s *Store) fillDue(ctx context.Context) error {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -923,25 +949,38 @@ func (s *Store) fillDue(ctx context.Context) error {
 	}
 	defer conn.Release()
 	lock := lockKey("records_due", s.schema)
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", lock); err != nil {
+	var locked bool
+	var was string
+	if err := conn.QueryRow(ctx, `SELECT l.locked, l.was, CASE WHEN l.locked THEN set_config('lock_timeout', '`+dueLockTimeout+`', false) END
+		FROM (SELECT pg_try_advisory_lock($1) AS locked, current_setting('lock_timeout') AS was) AS l`, lock).Scan(&locked, &was, nil); err != nil || !locked {
+		if err == nil {
+			err = errRebuiltElsewhere
+		}
 		return err
 	}
 	defer func() {
-		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", lock); err != nil {
+		if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1), set_config('lock_timeout', $2, false)", lock, was); err != nil {
 			conn.Conn().Close(ctx) // never back to the pool with the lock held
 		}
 	}()
 	var whole bool
 	if err := conn.QueryRow(ctx, s.dueWholeSQL).Scan(&whole); err != nil || whole {
-		return err // or rebuilt by another while this one waited for the lock
+		return err // or rebuilt by another just before
 	}
 	scope, key := "", "" // before every record: keys are never empty
-	for {
+	for tries := 1; ; {
 		var n int
 		var lastScope, lastKey *string
-		if err := conn.QueryRow(ctx, s.dueFillSQL, scope, key, dueChunk).Scan(&n, &lastScope, &lastKey); err != nil {
+		err := conn.QueryRow(ctx, s.dueFillSQL, scope, key, dueChunk).Scan(&n, &lastScope, &lastKey)
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "55P03" && tries < dueAttempts {
+			time.Sleep(migratePause(tries - 1)) // the part rolled back: its rows hold up no write meanwhile
+			tries++
+			continue
+		}
+		if err != nil {
 			return err
 		}
+		tries = 1
 		if n < dueChunk {
 			break
 		}
