@@ -107,6 +107,15 @@ func (d sqliteDB) Query(ctx context.Context, q string, each func(func(...any) er
 		return err
 	}
 	defer rows.Close()
+	return eachRow(rows, each)
+}
+
+// eachRow calls each with the Scan of every row of rows, in turn.
+func eachRow(rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}, each func(func(...any) error) error) error {
 	for rows.Next() {
 		if err := each(rows.Scan); err != nil {
 			return err
@@ -186,12 +195,7 @@ func (d pgDB) Query(ctx context.Context, q string, each func(func(...any) error)
 		return err
 	}
 	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
-			return err
-		}
-	}
-	return rows.Err()
+	return eachRow(rows, each)
 }
 
 func (d pgDB) Exec(ctx context.Context, q string, args ...any) error {
