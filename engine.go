@@ -240,7 +240,9 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 			return err
 		}
 		pause := retryPause(n)
-		if down || time.Until(deadline) < pause {
+		// A call that never left the process (store.ErrNotSent: the store
+		// has not opened) has no answer to lose: not sent again.
+		if down || time.Until(deadline) < pause || errors.Is(err, store.ErrNotSent) {
 			e.down.Store(true)
 			return err
 		}

@@ -611,3 +611,31 @@ func TestCheckpointIsBoundedByTheStoreTimeout(t *testing.T) {
 		t.Fatalf("Checkpoint = %v, want ErrUnavailable", err)
 	}
 }
+
+// notOpen is a store that has not opened yet: every call is refused before
+// it leaves the process (as storeopen's while the server is unreachable).
+type notOpen struct{ idem.Store }
+
+func (notOpen) Acquire(context.Context, store.AcquireParams) (store.Record, error) {
+	return store.Record{}, fmt.Errorf("%w: connection refused (%w)", idem.ErrUnavailable, store.ErrNotSent)
+}
+
+// TestUnsentCallIsNotRetried: a call the store says it never sent is not
+// sent again until the store timeout: nothing was sent whose answer could
+// be lost, so the caller is told unavailable at once. (The first request
+// after a start with the store away waited the whole store timeout, 5 s by
+// default, before its 503.)
+func TestUnsentCallIsNotRetried(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: notOpen{memstore.New()}, StoreTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "k", Fingerprint: payload})
+		done <- err
+	}()
+	if err := wait.Recv(t, done, 10*time.Second, "Begin's answer (store timeout 1m)"); !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("Begin = %v, want ErrUnavailable", err)
+	}
+}
