@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -245,6 +246,32 @@ func TestSecondSignalEndsTheProxyAtOnce(t *testing.T) {
 	}
 	if ws, ok := exit.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGINT {
 		t.Fatalf("exit after a second signal: %v; want killed by SIGINT", err)
+	}
+}
+
+// TestSecondSignalEndsTheProxyStartedWithSIGINTIgnored: a background job
+// of a script starts with SIGINT ignored; the first SIGINT still begins a
+// graceful stop and a second one still ends the proxy at once. (Restoring
+// the signal's disposition after the first restored "ignored": the second
+// was ignored, and the proxy waited for its request in flight.)
+func TestSecondSignalEndsTheProxyStartedWithSIGINTIgnored(t *testing.T) {
+	upstream, started, _ := heldUpstream(t)
+	signal.Ignore(syscall.SIGINT) // inherited by the proxy's process
+	p := runProxy(t, "--upstream", upstream, "--store", "memory:", "--shutdown-timeout", "60s")
+	signal.Reset(syscall.SIGINT)
+	go postBounded(p.url+"/pay", "held", 90*time.Second)
+	wait.Recv(t, started, 10*time.Second, "the upstream to take the request")
+	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	wait.Until(t, 10*time.Second, "the proxy to say it is shutting down", func() bool { return p.logs.has("shutting down") })
+	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	err := exited(t, p, 5*time.Second)
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 130 {
+		t.Fatalf("exit after a second SIGINT: %v; want status 130", err)
 	}
 }
 
