@@ -58,3 +58,40 @@ func TestHarnessRuns(t *testing.T) {
 		}
 	}
 }
+
+// TestScopedRawTargetRuns: raw-scoped, the raw check keyed by caller, runs
+// when named, answers fresh keys and replays without errors, and is
+// compared with idem's middleware.
+func TestScopedRawTargetRuns(t *testing.T) {
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "bench")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("building the harness: %v\n%s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	out := filepath.Join(dir, "out")
+	cmd := exec.CommandContext(ctx, bin, "-stores", "sqlite", "-targets", "raw-scoped:sqlite,idem:sqlite",
+		"-rounds", "1", "-duration", "300ms", "-storm", "0", "-out", out)
+	cmd.Env = append(os.Environ(), "IDEM_TEST_DATABASE_URL=", "IDEM_TEST_REDIS_URL=")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("the harness: %v\n%s", err, b)
+	}
+	var rep report
+	data, err := os.ReadFile(filepath.Join(out, "results.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"raw-scoped:sqlite/fresh", "raw-scoped:sqlite/replay"} {
+		if rs := rep.Results[key]; len(rs) != 1 || rs[0].Requests == 0 || rs[0].Errors != 0 {
+			t.Errorf("%s: %+v; want requests and no errors", key, rs)
+		}
+	}
+	text, err := os.ReadFile(filepath.Join(out, "results.txt"))
+	if err != nil || !strings.Contains(string(text), "idem:sqlite/fresh / raw-scoped:sqlite/fresh") {
+		t.Errorf("results lack the comparison with the scoped raw check (%v):\n%s", err, text)
+	}
+}

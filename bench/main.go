@@ -182,6 +182,13 @@ func run(rounds int, d time.Duration, conns, stormN int, stormDelay time.Duratio
 		names = append(names, "idem:"+s, "proxy:"+s)
 	}
 	if onlyTargets != "" {
+		// raw-scoped:S, the raw check keyed under the caller too, is run
+		// only when named.
+		for s := range dsns {
+			if s != "memory" {
+				names = append(names, "raw-scoped:"+s)
+			}
+		}
 		picked := strings.Split(onlyTargets, ",")
 		for _, name := range picked {
 			if !slices.Contains(names, name) {

@@ -233,6 +233,7 @@ func (r report) ratios() [][3]string {
 		add("middleware, "+string(w)+" keys", "idem:memory/"+string(w), "bare/"+string(w))
 		for _, s := range []string{"sqlite", "postgres", "redis"} {
 			add("middleware, "+string(w)+" keys", "idem:"+s+"/"+string(w), "raw:"+s+"/"+string(w))
+			add("middleware, "+string(w)+" keys, raw check scoped", "idem:"+s+"/"+string(w), "raw-scoped:"+s+"/"+string(w))
 		}
 		for _, s := range []string{"sqlite", "postgres", "redis"} {
 			add("idem proxy, "+string(w)+" keys", "proxy:"+s+"/"+string(w), "hop-raw:"+s+"/"+string(w))

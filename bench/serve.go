@@ -51,9 +51,9 @@ func handler(delay time.Duration) http.Handler {
 // rawStore is the least a hand-written idempotency check does on a store:
 // claim a key, store the answer, read it back.
 type rawStore interface {
-	claim(ctx context.Context, key string) (bool, error)
-	complete(ctx context.Context, key string, body []byte) error
-	get(ctx context.Context, key string) ([]byte, bool, error)
+	claim(ctx context.Context, scope, key string) (bool, error)
+	complete(ctx context.Context, scope, key string, body []byte) error
+	get(ctx context.Context, scope, key string) ([]byte, bool, error)
 }
 
 // rawRedis keeps its keys under the run's prefix, which the run deletes
@@ -63,14 +63,14 @@ type rawRedis struct {
 	prefix string
 }
 
-func (r rawRedis) claim(ctx context.Context, key string) (bool, error) {
-	return r.c.SetNX(ctx, r.prefix+"raw:"+key, "in_progress", 30*time.Second).Result()
+func (r rawRedis) claim(ctx context.Context, scope, key string) (bool, error) {
+	return r.c.SetNX(ctx, r.prefix+"raw:"+scope+":"+key, "in_progress", 30*time.Second).Result()
 }
-func (r rawRedis) complete(ctx context.Context, key string, body []byte) error {
-	return r.c.Set(ctx, r.prefix+"raw:"+key, body, 24*time.Hour).Err()
+func (r rawRedis) complete(ctx context.Context, scope, key string, body []byte) error {
+	return r.c.Set(ctx, r.prefix+"raw:"+scope+":"+key, body, 24*time.Hour).Err()
 }
-func (r rawRedis) get(ctx context.Context, key string) ([]byte, bool, error) {
-	b, err := r.c.Get(ctx, r.prefix+"raw:"+key).Bytes()
+func (r rawRedis) get(ctx context.Context, scope, key string) ([]byte, bool, error) {
+	b, err := r.c.Get(ctx, r.prefix+"raw:"+scope+":"+key).Bytes()
 	if err == redis.Nil {
 		return nil, false, nil
 	}
@@ -82,18 +82,18 @@ const rawTable = `CREATE TABLE IF NOT EXISTS bench_raw (scope text NOT NULL, key
 
 type rawPG struct{ p *pgxpool.Pool }
 
-func (r rawPG) claim(ctx context.Context, key string) (bool, error) {
-	tag, err := r.p.Exec(ctx, `INSERT INTO bench_raw (scope, key, state) VALUES ('', $1, 'in_progress') ON CONFLICT DO NOTHING`, key)
+func (r rawPG) claim(ctx context.Context, scope, key string) (bool, error) {
+	tag, err := r.p.Exec(ctx, `INSERT INTO bench_raw (scope, key, state) VALUES ($1, $2, 'in_progress') ON CONFLICT DO NOTHING`, scope, key)
 	return tag.RowsAffected() == 1, err
 }
-func (r rawPG) complete(ctx context.Context, key string, body []byte) error {
-	_, err := r.p.Exec(ctx, `UPDATE bench_raw SET state = 'completed', body = $2 WHERE scope = '' AND key = $1`, key, body)
+func (r rawPG) complete(ctx context.Context, scope, key string, body []byte) error {
+	_, err := r.p.Exec(ctx, `UPDATE bench_raw SET state = 'completed', body = $3 WHERE scope = $1 AND key = $2`, scope, key, body)
 	return err
 }
-func (r rawPG) get(ctx context.Context, key string) ([]byte, bool, error) {
+func (r rawPG) get(ctx context.Context, scope, key string) ([]byte, bool, error) {
 	var state string
 	var body []byte
-	err := r.p.QueryRow(ctx, `SELECT state, body FROM bench_raw WHERE scope = '' AND key = $1`, key).Scan(&state, &body)
+	err := r.p.QueryRow(ctx, `SELECT state, body FROM bench_raw WHERE scope = $1 AND key = $2`, scope, key).Scan(&state, &body)
 	if err != nil && strings.Contains(err.Error(), "no rows") {
 		return nil, false, nil
 	}
@@ -106,26 +106,26 @@ type rawSQLite struct {
 	claimStmt, completeStmt, getStmt *sql.Stmt
 }
 
-func (r rawSQLite) claim(ctx context.Context, key string) (bool, error) {
+func (r rawSQLite) claim(ctx context.Context, scope, key string) (bool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	res, err := r.claimStmt.ExecContext(ctx, key)
+	res, err := r.claimStmt.ExecContext(ctx, scope, key)
 	if err != nil {
 		return false, err
 	}
 	n, _ := res.RowsAffected()
 	return n == 1, nil
 }
-func (r rawSQLite) complete(ctx context.Context, key string, body []byte) error {
+func (r rawSQLite) complete(ctx context.Context, scope, key string, body []byte) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	_, err := r.completeStmt.ExecContext(ctx, body, key)
+	_, err := r.completeStmt.ExecContext(ctx, body, scope, key)
 	return err
 }
-func (r rawSQLite) get(ctx context.Context, key string) ([]byte, bool, error) {
+func (r rawSQLite) get(ctx context.Context, scope, key string) ([]byte, bool, error) {
 	var state string
 	var body []byte
-	err := r.getStmt.QueryRowContext(ctx, key).Scan(&state, &body)
+	err := r.getStmt.QueryRowContext(ctx, scope, key).Scan(&state, &body)
 	if err == sql.ErrNoRows {
 		return nil, false, nil
 	}
@@ -167,9 +167,9 @@ func openRaw(ctx context.Context, dsn string) (rawStore, func(), error) {
 		}
 		r := rawSQLite{mu: new(sync.Mutex)}
 		for st, q := range map[**sql.Stmt]string{
-			&r.claimStmt:    `INSERT INTO bench_raw (scope, key, state) VALUES ('', ?, 'in_progress') ON CONFLICT DO NOTHING`,
-			&r.completeStmt: `UPDATE bench_raw SET state = 'completed', body = ? WHERE scope = '' AND key = ?`,
-			&r.getStmt:      `SELECT state, body FROM bench_raw WHERE scope = '' AND key = ?`,
+			&r.claimStmt:    `INSERT INTO bench_raw (scope, key, state) VALUES (?, ?, 'in_progress') ON CONFLICT DO NOTHING`,
+			&r.completeStmt: `UPDATE bench_raw SET state = 'completed', body = ? WHERE scope = ? AND key = ?`,
+			&r.getStmt:      `SELECT state, body FROM bench_raw WHERE scope = ? AND key = ?`,
 		} {
 			if *st, err = db.PrepareContext(ctx, q); err != nil {
 				return nil, nil, err
@@ -182,13 +182,17 @@ func openRaw(ctx context.Context, dsn string) (rawStore, func(), error) {
 
 // withRaw runs next behind the raw idempotency check: a replay is the stored
 // body, a new key is claimed, run and completed. calls counts its store
-// operations.
-func withRaw(raw rawStore, next http.Handler, calls *atomic.Int64) http.Handler {
+// operations. scope, when set, names the caller whose keys a key is
+// among (as idem's targets do, by httpidem.HashScope("Authorization")).
+func withRaw(raw rawStore, next http.Handler, calls *atomic.Int64, scope func(*http.Request) string) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		key := r.Header.Get("Idempotency-Key")
+		key, caller := r.Header.Get("Idempotency-Key"), ""
+		if scope != nil {
+			caller = scope(r)
+		}
 		ctx := r.Context()
 		calls.Add(1)
-		body, done, err := raw.get(ctx, key)
+		body, done, err := raw.get(ctx, caller, key)
 		switch {
 		case err != nil:
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
@@ -200,13 +204,13 @@ func withRaw(raw rawStore, next http.Handler, calls *atomic.Int64) http.Handler 
 			return
 		}
 		calls.Add(2) // the claim and the completion
-		if ok, err := raw.claim(ctx, key); err != nil || !ok {
+		if ok, err := raw.claim(ctx, caller, key); err != nil || !ok {
 			http.Error(w, "in progress", http.StatusConflict)
 			return
 		}
 		rec := &capture{header: http.Header{}}
 		next.ServeHTTP(rec, r)
-		if err := raw.complete(ctx, key, rec.body); err != nil {
+		if err := raw.complete(ctx, caller, key, rec.body); err != nil {
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
@@ -257,7 +261,7 @@ func serve(target, dsn string, delay time.Duration) error {
 	switch kind {
 	case "bare":
 		h = handler(delay)
-	case "raw", "hop-raw":
+	case "raw", "raw-scoped", "hop-raw":
 		raw, _, err := openRaw(ctx, dsn)
 		if err != nil {
 			return err
@@ -273,7 +277,11 @@ func serve(target, dsn string, delay time.Duration) error {
 		}
 		var n atomic.Int64
 		calls = n.Load
-		h = withRaw(raw, next, &n)
+		var scope func(*http.Request) string
+		if kind == "raw-scoped" {
+			scope = httpidem.HashScope("Authorization")
+		}
+		h = withRaw(raw, next, &n, scope)
 	case "idem":
 		eng, err := engine()
 		if err != nil {
