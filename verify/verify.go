@@ -165,11 +165,17 @@ type answer struct {
 	header http.Header
 	body   []byte
 	err    error
+	// retries says, for an answer the retrying client gave up on, how
+	// many times it was asked to retry (the answer's body is not kept).
+	retries int
 }
 
 func (a answer) String() string {
 	if a.err != nil {
 		return "error: " + a.err.Error()
+	}
+	if a.retries > 0 {
+		return fmt.Sprintf("%d %s, to each of %d attempts, each asking for a retry", a.status, http.StatusText(a.status), a.retries)
 	}
 	var p struct{ Title, Detail string }
 	if a.problemJSON() && json.Unmarshal(a.body, &p) == nil && p.Title != "" {
@@ -373,7 +379,7 @@ func (r *runner) do(ctx context.Context, c *http.Client, method, target, body st
 	if errors.As(err, &gaveUp) && gaveUp.Status != 0 {
 		// The retrying client gave up on an answer that asked for a retry
 		// (a 503, a 429): the endpoint answered, and the checks say so.
-		return answer{status: gaveUp.Status, header: http.Header{}}
+		return answer{status: gaveUp.Status, header: http.Header{}, retries: gaveUp.Attempts}
 	}
 	if err != nil {
 		return answer{err: redact.Err(err)}

@@ -600,6 +600,11 @@ func TestAnEndpointThatAsksForRetriesIsReachable(t *testing.T) {
 	if errors.Is(err, verify.ErrUnreachable) || len(rep.Checks) < 2 || !strings.Contains(fmt.Sprint(rep), "503") {
 		t.Fatalf("an endpoint answering 503: %+v, %v; want every check run, failing on the 503", rep, err)
 	}
+	// The detail says what came back, and that it was retried. (It said
+	// "the first request failed (503 )".)
+	if d := rep.Checks[0].Detail; !strings.Contains(d, "503 Service Unavailable") || !strings.Contains(d, "each asking for a retry") {
+		t.Errorf("detail %q does not say what the endpoint answered", d)
+	}
 }
 
 // TestURLQuerySecretIsNotPrinted: a secret in a URL's query (an api_key, a
