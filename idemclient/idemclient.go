@@ -202,19 +202,24 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	ctx := req.Context()
 	start := time.Now()
+	var last answered // the last answer, which asked for a retry
 	for attempt := 1; ; attempt++ {
 		out := req.Clone(ctx)
 		out.Header.Set(header, key)
 		if getBody != nil {
 			body, err := getBody()
 			if err != nil {
-				return nil, t.gaveUp(key, attempt-1, fmt.Errorf("idemclient: rewinding the request body: %w", err))
+				return nil, t.gaveUp(key, attempt-1, last, fmt.Errorf("idemclient: rewinding the request body: %w", err))
 			}
 			out.Body, out.GetBody = body, getBody
 		}
 		resp, err := t.cfg.Base.RoundTrip(out)
 		if !retryable(resp, err, start.Add(t.cfg.MaxElapsed)) {
-			return resp, t.gaveUp(key, attempt, err)
+			return resp, t.gaveUp(key, attempt, answered{}, err)
+		}
+		last = answered{}
+		if resp != nil {
+			last = answered{resp.StatusCode, retryAfter(resp.Header.Get("Retry-After"))}
 		}
 		var wait time.Duration
 		stop := ctx.Err() != nil || attempt >= t.cfg.MaxAttempts
@@ -224,14 +229,13 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		if stop {
 			if resp == nil {
-				return nil, t.gaveUp(key, attempt, err)
+				return nil, t.gaveUp(key, attempt, last, err)
 			}
 			// An answer that asks for a retry is not the request's
 			// outcome: an earlier attempt may have run, or this one
 			// still runs. Giving up on it is an error with the key.
 			discard(resp.Body)
-			return nil, &Error{Key: key, Attempts: attempt, Status: resp.StatusCode, RetryAfter: retryAfter(resp.Header.Get("Retry-After")),
-				Err: fmt.Errorf("the server answered %s, asking for a retry", resp.Status)}
+			return nil, t.gaveUp(key, attempt, last, fmt.Errorf("the server answered %s, asking for a retry", resp.Status))
 		}
 		if t.cfg.OnRetry != nil {
 			t.cfg.OnRetry(attempt, resp, err, wait)
@@ -243,18 +247,26 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return nil, t.gaveUp(key, attempt, ctx.Err())
+			return nil, t.gaveUp(key, attempt, last, ctx.Err())
 		case <-timer.C:
 		}
 	}
 }
 
-// gaveUp is err, when not nil, as an [*Error] carrying the key.
-func (t *Transport) gaveUp(key string, attempts int, err error) error {
+// answered is the status and Retry-After of an answer that asked for a
+// retry; zero for an attempt that got no answer.
+type answered struct {
+	status     int
+	retryAfter time.Duration
+}
+
+// gaveUp is err, when not nil, as an [*Error] carrying the key and what
+// the last attempt was answered.
+func (t *Transport) gaveUp(key string, attempts int, last answered, err error) error {
 	if err == nil || attempts == 0 {
 		return err
 	}
-	return &Error{Key: key, Attempts: attempts, Err: err}
+	return &Error{Key: key, Attempts: attempts, Status: last.status, RetryAfter: last.retryAfter, Err: err}
 }
 
 // discard drains (so that the connection is reused) and closes the body

@@ -469,6 +469,30 @@ func TestGivingUpOnAnAnswerIsAnError(t *testing.T) {
 	}
 }
 
+// TestGivingUpMidBackoffKeepsTheAnswer: the caller's context ends while
+// the client waits to retry an answer that asked for a retry (503,
+// Retry-After: 2): the error says what that answer was, its status and
+// Retry-After, as giving up at once does. (Both were 0, "no answer".)
+func TestGivingUpMidBackoffKeepsTheAnswer(t *testing.T) {
+	ts := httptest.NewServer(&recorder{answer: func(n int, w http.ResponseWriter) {
+		w.Header().Set("Retry-After", "2")
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}})
+	defer ts.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	c := client(idemclient.Config{OnRetry: func(int, *http.Response, error, time.Duration) { cancel() }}) // ends during the wait
+	req, _ := http.NewRequestWithContext(ctx, "POST", ts.URL, strings.NewReader("x"))
+	resp, err := c.Do(req)
+	if err == nil {
+		resp.Body.Close()
+	}
+	var gaveUp *idemclient.Error
+	if !errors.As(err, &gaveUp) || gaveUp.Status != 503 || gaveUp.RetryAfter != 2*time.Second || !errors.Is(err, context.Canceled) {
+		t.Fatalf("%+v; want an *idemclient.Error with the answer's 503 and Retry-After 2s, and the context's error", err)
+	}
+}
+
 // TestFinalConflictIsReadable: a 409 read for its problem type is handed
 // to the caller whole: one that came after MaxElapsed was closed unread
 // (its body failed), one larger than 64 KiB was cut there without an
