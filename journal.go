@@ -39,6 +39,9 @@ type journal struct {
 	wake     chan struct{} // cuts the drain loop's pause short
 	stop     chan struct{}
 	drained  chan struct{} // closed when the drain loop exits
+	// quiet is closed once only the releases kept for a late acquire are
+	// left (lenLocked is 0): close need not wait for them.
+	quiet chan struct{}
 }
 
 // journalVersion is the version of the entry encoding.
@@ -69,6 +72,14 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("idem: journal: %w", err)
 	}
+	// A directory that cannot be written would show only when the store
+	// is away, and every outcome then would be lost: refused now.
+	probe, err := os.CreateTemp(dir, "probe-*.tmp")
+	if err != nil {
+		return nil, fmt.Errorf("idem: journal: the directory cannot be written: %w", err)
+	}
+	probe.Close()
+	os.Remove(probe.Name())
 	names, err := filepath.Glob(filepath.Join(dir, "*"))
 	if err != nil {
 		return nil, fmt.Errorf("idem: journal: %w", err)
@@ -260,7 +271,7 @@ func (j *journal) startLocked() {
 		return
 	}
 	j.running = true
-	j.drained = make(chan struct{})
+	j.drained, j.quiet = make(chan struct{}), make(chan struct{})
 	go j.drain(j.drained)
 }
 
@@ -312,6 +323,13 @@ func (j *journal) round() (empty bool) {
 	if len(j.entries) == 0 {
 		j.running = false
 		return true
+	}
+	if j.lenLocked() == 0 {
+		select {
+		case <-j.quiet:
+		default:
+			close(j.quiet)
+		}
 	}
 	return false
 }
@@ -405,7 +423,7 @@ func (j *journal) forget(ent *journalEntry) {
 func (j *journal) close(ctx context.Context) error {
 	for {
 		j.mu.Lock()
-		left, running, drained, closed := j.lenLocked(), j.running, j.drained, j.closed
+		left, running, drained, quiet, closed := j.lenLocked(), j.running, j.drained, j.quiet, j.closed
 		j.mu.Unlock()
 		if left == 0 || closed {
 			break
@@ -413,11 +431,12 @@ func (j *journal) close(ctx context.Context) error {
 		if !running {
 			j.mu.Lock()
 			j.startLocked()
-			drained = j.drained
+			drained, quiet = j.drained, j.quiet
 			j.mu.Unlock()
 		}
 		select {
 		case <-ctx.Done():
+		case <-quiet: // every outcome is stored; what is left is kept releases
 		case <-drained:
 			continue
 		}
