@@ -611,10 +611,11 @@ func (s *Store) finish(ctx context.Context, tx pgx.Tx, op string, p store.Finish
 		if err != nil {
 			return translate(op, err)
 		}
-		b, err := p.Response.MarshalCompact()
+		encode := p.Response.MarshalCompact
 		if l == layoutText {
-			b, err = p.Response.MarshalBinary()
+			encode = p.Response.MarshalBinary
 		}
+		b, err := encode()
 		if err != nil {
 			return fmt.Errorf("pgstore: %s: encoding response: %w", op, err)
 		}
