@@ -15,11 +15,7 @@ import (
 // target serves, the ratios come out, and a storm of duplicates is answered
 // with one outcome for a few store calls.
 func TestHarnessRuns(t *testing.T) {
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "bench")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("building the harness: %v\n%s", err, out)
-	}
+	dir, bin := buildHarness(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	out := filepath.Join(dir, "out")
@@ -63,11 +59,7 @@ func TestHarnessRuns(t *testing.T) {
 // when named, answers fresh keys and replays without errors, and is
 // compared with idem's middleware.
 func TestScopedRawTargetRuns(t *testing.T) {
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "bench")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("building the harness: %v\n%s", err, out)
-	}
+	dir, bin := buildHarness(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	out := filepath.Join(dir, "out")
@@ -94,4 +86,16 @@ func TestScopedRawTargetRuns(t *testing.T) {
 	if err != nil || !strings.Contains(string(text), "idem:sqlite/fresh / raw-scoped:sqlite/fresh") {
 		t.Errorf("results lack the comparison with the scoped raw check (%v):\n%s", err, text)
 	}
+}
+
+// buildHarness builds the harness into a directory of the test's, and
+// returns both.
+func buildHarness(t *testing.T) (dir, bin string) {
+	t.Helper()
+	dir = t.TempDir()
+	bin = filepath.Join(dir, "bench")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("building the harness: %v\n%s", err, out)
+	}
+	return dir, bin
 }

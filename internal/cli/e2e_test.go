@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -65,8 +66,16 @@ func (l *logLines) has(sub string) bool {
 // returns it once it says it is listening.
 func runProxy(t *testing.T, args ...string) *proxyProc {
 	t.Helper()
-	cmd := exec.Command(idemBin, append([]string{"proxy", "--listen", "127.0.0.1:0",
-		"--journal-dir", filepath.Join(t.TempDir(), "journal")}, args...)...)
+	return runProxyVia(t, nil, args...)
+}
+
+// runProxyVia is runProxy through a launcher: a command line that runs the
+// one it is given after it ($0 and the arguments), as a shell does.
+func runProxyVia(t *testing.T, launcher []string, args ...string) *proxyProc {
+	t.Helper()
+	line := append(append(slices.Clone(launcher), idemBin, "proxy", "--listen", "127.0.0.1:0",
+		"--journal-dir", filepath.Join(t.TempDir(), "journal")), args...)
+	cmd := exec.Command(line[0], line[1:]...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

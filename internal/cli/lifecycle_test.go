@@ -9,8 +9,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -228,18 +228,7 @@ func TestStopCutShortDoesNotClaimEveryOutcomeIsStored(t *testing.T) {
 // ends within a few seconds, killed by SIGINT. (The second signal used to
 // be swallowed: the process waited for the drain.)
 func TestSecondSignalEndsTheProxyAtOnce(t *testing.T) {
-	upstream, started, _ := heldUpstream(t)
-	p := runProxy(t, "--upstream", upstream, "--store", "memory:", "--shutdown-timeout", "60s")
-	go postBounded(p.url+"/pay", "held", 90*time.Second)
-	wait.Recv(t, started, 10*time.Second, "the upstream to take the request")
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	wait.Until(t, 10*time.Second, "the proxy to say it is shutting down", func() bool { return p.logs.has("shutting down") })
-	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
-		t.Fatal(err)
-	}
-	err := exited(t, p, 5*time.Second)
+	err := stopTwice(t, false, syscall.SIGTERM)
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) {
 		t.Fatalf("exit after a second signal: %v; want killed by SIGINT", err)
@@ -255,24 +244,35 @@ func TestSecondSignalEndsTheProxyAtOnce(t *testing.T) {
 // the signal's disposition after the first restored "ignored": the second
 // was ignored, and the proxy waited for its request in flight.)
 func TestSecondSignalEndsTheProxyStartedWithSIGINTIgnored(t *testing.T) {
+	err := stopTwice(t, true, syscall.SIGINT)
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 130 {
+		t.Fatalf("exit after a second SIGINT: %v; want status 130", err)
+	}
+}
+
+// stopTwice starts a proxy (with SIGINT ignored, as a background job of a
+// script, when ignoreSIGINT), holds a request in flight, sends first, and
+// once the proxy says it is shutting down, SIGINT; it returns how the
+// process ended, within 5 s.
+func stopTwice(t *testing.T, ignoreSIGINT bool, first os.Signal) error {
+	t.Helper()
 	upstream, started, _ := heldUpstream(t)
-	signal.Ignore(syscall.SIGINT) // inherited by the proxy's process
-	p := runProxy(t, "--upstream", upstream, "--store", "memory:", "--shutdown-timeout", "60s")
-	signal.Reset(syscall.SIGINT)
+	var launcher []string
+	if ignoreSIGINT { // as a script's background job: the shell ignores SIGINT, and exec keeps it so
+		launcher = []string{"sh", "-c", `trap "" INT; exec "$0" "$@"`}
+	}
+	p := runProxyVia(t, launcher, "--upstream", upstream, "--store", "memory:", "--shutdown-timeout", "60s")
 	go postBounded(p.url+"/pay", "held", 90*time.Second)
 	wait.Recv(t, started, 10*time.Second, "the upstream to take the request")
-	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+	if err := p.cmd.Process.Signal(first); err != nil {
 		t.Fatal(err)
 	}
 	wait.Until(t, 10*time.Second, "the proxy to say it is shutting down", func() bool { return p.logs.has("shutting down") })
 	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
 		t.Fatal(err)
 	}
-	err := exited(t, p, 5*time.Second)
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != 130 {
-		t.Fatalf("exit after a second SIGINT: %v; want status 130", err)
-	}
+	return exited(t, p, 5*time.Second)
 }
 
 // TestProxyListensWhilePostgresHangs: the proxy starts whether or not its
