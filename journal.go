@@ -39,8 +39,9 @@ type journal struct {
 	wake     chan struct{} // cuts the drain loop's pause short
 	stop     chan struct{}
 	drained  chan struct{} // closed when the drain loop exits
-	// quiet is closed once only the releases kept for a late acquire are
-	// left (lenLocked is 0): close need not wait for them.
+	// quiet is closed while only the releases kept for a late acquire are
+	// left (lenLocked is 0): close need not wait for them. put makes a new
+	// one when it adds an entry.
 	quiet chan struct{}
 }
 
@@ -168,6 +169,13 @@ func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.add(ent)
+	if j.quiet != nil { // an outcome to store again: close waits for it
+		select {
+		case <-j.quiet:
+			j.quiet = make(chan struct{})
+		default:
+		}
+	}
 	level := slog.LevelWarn
 	if p.State == StateFailed {
 		level = slog.LevelDebug // a release: nothing ran, nobody waits for it

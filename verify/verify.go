@@ -165,8 +165,8 @@ type answer struct {
 	header http.Header
 	body   []byte
 	err    error
-	// retries says, for an answer the retrying client gave up on, how
-	// many times it was asked to retry (the answer's body is not kept).
+	// retries says, for an answer the retrying client gave up on, after
+	// how many attempts (the answer's body is not kept).
 	retries int
 }
 
@@ -175,7 +175,7 @@ func (a answer) String() string {
 		return "error: " + a.err.Error()
 	}
 	if a.retries > 0 {
-		return fmt.Sprintf("%d %s, to each of %d attempts, each asking for a retry", a.status, http.StatusText(a.status), a.retries)
+		return fmt.Sprintf("%d %s to the last of %d attempts, asking for a retry", a.status, http.StatusText(a.status), a.retries)
 	}
 	var p struct{ Title, Detail string }
 	if a.problemJSON() && json.Unmarshal(a.body, &p) == nil && p.Title != "" {

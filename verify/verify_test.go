@@ -602,7 +602,7 @@ func TestAnEndpointThatAsksForRetriesIsReachable(t *testing.T) {
 	}
 	// The detail says what came back, and that it was retried. (It said
 	// "the first request failed (503 )".)
-	if d := rep.Checks[0].Detail; !strings.Contains(d, "503 Service Unavailable") || !strings.Contains(d, "each asking for a retry") {
+	if d := rep.Checks[0].Detail; !strings.Contains(d, "503 Service Unavailable") || !strings.Contains(d, "attempts, asking for a retry") {
 		t.Errorf("detail %q does not say what the endpoint answered", d)
 	}
 }

@@ -567,7 +567,9 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 // FinishTx settles a record like [Store.Finish], but inside the caller's
 // transaction tx, so that the handler's own writes and the record's outcome
 // commit together or not at all. A crash before the commit leaves neither, so
-// work done this way can be declared TakeoverSafe. It is one statement in tx.
+// work done this way can be declared TakeoverSafe. It is one statement in tx
+// (two the first time a store New did not migrate writes: it reads the
+// table's layout).
 //
 // [store.ErrLeaseLost] means the lease no longer owns the record: the caller
 // must roll tx back, since a newer owner's outcome stands. Any other error
