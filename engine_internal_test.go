@@ -3,15 +3,12 @@ package idem
 import (
 	"container/list"
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"runtime"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
 )
@@ -130,86 +127,5 @@ func TestRetryPauseStaysBounded(t *testing.T) {
 		if p := retryPause(n); p < 10*time.Millisecond || p > 500*time.Millisecond {
 			t.Fatalf("retryPause(%d) = %v; want between 10 ms and 500 ms", n, p)
 		}
-	}
-}
-
-// lostAcquire is a store whose acquires of the key "lost" are never
-// answered, and whose settlements fail while off is set.
-type lostAcquire struct {
-	Store
-	mu  sync.Mutex
-	off bool
-}
-
-func (s *lostAcquire) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
-	if p.Key == "lost" {
-		return store.Record{}, ErrUnavailable
-	}
-	return s.Store.Acquire(ctx, p)
-}
-
-func (s *lostAcquire) Finish(ctx context.Context, p store.FinishParams) error {
-	s.mu.Lock()
-	off := s.off
-	s.mu.Unlock()
-	if off {
-		return ErrUnavailable
-	}
-	return s.Store.Finish(ctx, p)
-}
-
-func (s *lostAcquire) setOff(off bool) {
-	s.mu.Lock()
-	s.off = off
-	s.mu.Unlock()
-}
-
-// TestCloseStoresAnOutcomeJournaledAfterOnlyReleasesWereLeft: the journal
-// held only a release kept for a late acquire (so close need not wait for
-// it) when an outcome came in, while the store was away again; the store
-// is back, and Close stores the outcome before it returns. (Close saw the
-// journal as holding kept releases only, from before the outcome came,
-// and returned at once: the outcome, given to its client, was lost.)
-func TestCloseStoresAnOutcomeJournaledAfterOnlyReleasesWereLeft(t *testing.T) {
-	ctx := context.Background()
-	s := &lostAcquire{Store: memstore.New()}
-	eng, err := New(Config{Store: s, StoreTimeout: 50 * time.Millisecond, Lease: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fp := NewFingerprint(Payload{Method: "POST", Path: "/charges", Body: []byte(`{}`)})
-	out, err := eng.Begin(ctx, BeginParams{Key: "k", Fingerprint: fp})
-	if err != nil || out.Decision != Execute {
-		t.Fatal(out.Decision, err)
-	}
-	if _, err := eng.Begin(ctx, BeginParams{Key: "lost", Fingerprint: fp}); !errors.Is(err, ErrUnavailable) {
-		t.Fatalf("Begin of the lost acquire: %v", err)
-	}
-	j := eng.journal
-	wait.Until(t, 10*time.Second, "the journal to hold only the kept release", func() bool {
-		j.mu.Lock()
-		defer j.mu.Unlock()
-		if j.quiet == nil {
-			return false
-		}
-		select {
-		case <-j.quiet:
-			return true
-		default:
-			return false
-		}
-	})
-	s.setOff(true)
-	if err := eng.Complete(ctx, out.Lease, &Response{Status: 201}); err != nil {
-		t.Fatal(err)
-	}
-	s.setOff(false)
-	closeCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := eng.Close(closeCtx); err != nil {
-		t.Fatalf("Close: %v", err)
-	}
-	if r, err := s.Store.Get(ctx, store.GetParams{Key: "k", Now: time.Now()}); err != nil || r.State != StateCompleted {
-		t.Fatalf("the outcome: %+v, %v; want it stored", r, err)
 	}
 }

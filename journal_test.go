@@ -2,7 +2,6 @@ package idem_test
 
 import (
 	"context"
-	"errors"
 	"os"
 	"path/filepath"
 	"sync"
@@ -229,70 +228,6 @@ func TestJournalLeavesAnOutcomeItsStoreDoesNotHold(t *testing.T) {
 	}
 	if n := entries(); n != 0 {
 		t.Fatalf("%d entries in the directory past the outcome's retention; want it gone", n)
-	}
-}
-
-// lostAcquire is a store whose acquires of the key "lost" are never
-// answered, and whose settlements fail while down is set.
-type lostAcquire struct {
-	idem.Store
-	down sync.Mutex // held: Finish is unavailable
-	off  bool
-}
-
-func (s *lostAcquire) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
-	if p.Key == "lost" {
-		return store.Record{}, idem.ErrUnavailable
-	}
-	return s.Store.Acquire(ctx, p)
-}
-
-func (s *lostAcquire) Finish(ctx context.Context, p store.FinishParams) error {
-	s.down.Lock()
-	off := s.off
-	s.down.Unlock()
-	if off {
-		return idem.ErrUnavailable
-	}
-	return s.Store.Finish(ctx, p)
-}
-
-// TestCloseDoesNotWaitForKeptReleases: an acquire whose answer was lost
-// leaves a release in the journal, kept until the acquire's lease would
-// have ended (the store answers it lease lost: nothing was acquired); an
-// outcome waits in the journal too, until the store is back. Close returns
-// once the outcome is stored, not when the release's lease ends. (It
-// waited for the drain loop, which runs until no entry is left, kept
-// releases included: up to a whole lease past every outcome stored.)
-func TestCloseDoesNotWaitForKeptReleases(t *testing.T) {
-	s := &lostAcquire{Store: memstore.New()}
-	eng, err := idem.New(idem.Config{Store: s, StoreTimeout: 50 * time.Millisecond, Lease: time.Hour, JournalDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := eng.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
-	if err != nil || out.Decision != idem.Execute {
-		t.Fatal(out.Decision, err)
-	}
-	if _, err := eng.Begin(ctx, idem.BeginParams{Key: "lost", Fingerprint: payload}); !errors.Is(err, idem.ErrUnavailable) {
-		t.Fatalf("Begin of the lost acquire: %v", err)
-	}
-	s.down.Lock()
-	s.off = true
-	s.down.Unlock()
-	if err := eng.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
-		t.Fatal(err)
-	}
-	s.down.Lock()
-	s.off = false
-	s.down.Unlock()
-	closed := make(chan error, 1)
-	go func() { closed <- eng.Close(context.Background()) }()
-	if err := wait.Recv(t, closed, 20*time.Second, "Close (the release's lease is an hour)"); err != nil {
-		t.Fatalf("Close: %v", err)
-	}
-	if r, err := s.Store.Get(ctx, store.GetParams{Key: "k", Now: time.Now()}); err != nil || r.State != idem.StateCompleted {
-		t.Fatalf("the outcome: %+v, %v; want it stored", r, err)
 	}
 }
 
