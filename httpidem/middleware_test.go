@@ -639,6 +639,7 @@ func TestOuterBodyLimitIsTooLarge(t *testing.T) {
 	}
 	srv := httptest.NewServer(http.MaxBytesHandler(mw.Wrap(a), 100))
 	t.Cleanup(srv.Close)
+	srv.Client().Timeout = time.Minute
 	r := send(t, srv, "POST", "/pay", "k", strings.Repeat("x", 1000))
 	wantProblem(t, r, 413, httpidem.ProblemRequestTooLarge)
 	if r.header.Get("Stripe-Should-Retry") != "false" || a.runs.Load() != 0 {
@@ -1321,6 +1322,7 @@ func TestStreamedTrailersReachTheClient(t *testing.T) {
 		h    http.Handler
 	}{{"without the middleware", http.HandlerFunc(handler)}, {"with it", mw.Wrap(http.HandlerFunc(handler))}} {
 		srv := httptest.NewServer(which.h)
+		srv.Client().Timeout = time.Minute
 		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader("x"))
 		req.Header.Set("Idempotency-Key", "k")
 		resp, err := srv.Client().Do(req)

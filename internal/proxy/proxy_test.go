@@ -78,6 +78,7 @@ func start(t *testing.T, cfg proxy.Config, eng *idem.Engine, up http.Handler) *h
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	srv.Client().Transport.(*http.Transport).MaxIdleConnsPerHost = 256
+	srv.Client().Timeout = time.Minute // a regression fails with a message, never hangs
 	return srv
 }
 
