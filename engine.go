@@ -418,6 +418,7 @@ func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention ti
 	if err != nil {
 		return Outcome{}, err
 	}
+	rec = withExpires(rec)
 	if rec.Token == token && rec.State == StateInProgress {
 		e.owners.add(rec)
 		return Outcome{Decision: Execute, Record: rec, Lease: Lease{Scope: p.Scope, Key: p.Key, Token: token, Fence: rec.Fence,
@@ -521,14 +522,19 @@ func (e *Engine) MarkUnknown(ctx context.Context, l Lease) error {
 
 // HeaderExpires is the response header that says until when an outcome is
 // replayed (an HTTP-date): the retention policy the IETF draft asks servers
-// to publish. The engine sets it on every completed outcome it stores, so
-// the first answer and every replay carry the same value.
+// to publish. The engine sets it on the response of every outcome it
+// completes, for the first answer, and on the response of every completed
+// record it reads, for the replays: the same value, the record's expiry.
+// (Stores do not keep the header: they keep the expiry.)
 const HeaderExpires = "Idempotency-Expires"
+
+// expiresHeader is [HeaderExpires]'s value for an outcome that expires at t.
+func expiresHeader(t time.Time) string { return t.UTC().Format(http.TimeFormat) }
 
 // finishParams returns the store params that settle l as state at the
 // engine's current time, with the lease's retention. A completed outcome's
 // header gets [HeaderExpires]: resp's own header, so that the caller can send
-// it with the first answer.
+// it with the first answer; the response stored is a copy without it.
 func (e *Engine) finishParams(l Lease, state State, resp *Response) FinishParams {
 	now := e.clock.Now()
 	p := FinishParams{Scope: l.Scope, Key: l.Key, Token: l.Token, Now: now, State: state, Response: resp}
@@ -536,12 +542,38 @@ func (e *Engine) finishParams(l Lease, state State, resp *Response) FinishParams
 		p.Expires = e.expires(l, now)
 	}
 	if state == StateCompleted && resp != nil {
+		stored := *resp
+		stored.Header = resp.Header.Clone()
+		stored.Header.Del(HeaderExpires)
+		p.Response = &stored
 		if resp.Header == nil {
 			resp.Header = http.Header{}
 		}
-		resp.Header.Set(HeaderExpires, p.Expires.UTC().Format(http.TimeFormat))
+		resp.Header.Set(HeaderExpires, expiresHeader(p.Expires))
 	}
 	return p
+}
+
+// withExpires returns rec, read from the store or the journal, with
+// [HeaderExpires] in its response when it is completed: a copy of the
+// response, since the one read may be shared (a store's, the journal's).
+// A record that release 0.1.0 stored keeps the header, with this value.
+func withExpires(rec Record) Record {
+	if rec.State != StateCompleted || rec.Response == nil || rec.Expires.IsZero() {
+		return rec
+	}
+	v := expiresHeader(rec.Expires)
+	if rec.Response.Header.Get(HeaderExpires) == v {
+		return rec
+	}
+	resp := *rec.Response
+	resp.Header = resp.Header.Clone()
+	if resp.Header == nil {
+		resp.Header = http.Header{}
+	}
+	resp.Header.Set(HeaderExpires, v)
+	rec.Response = &resp
+	return rec
 }
 
 // Expires is when an outcome of l settled now would stop being replayed,
@@ -605,10 +637,7 @@ func adopted(rec Record, l Lease, resp *Response) bool {
 	if !sameOutcome(rec.Response, resp) || rec.State != StateCompleted || rec.Fingerprint != l.Fingerprint {
 		return false
 	}
-	resp.Header.Set(HeaderExpires, rec.Response.Header.Get(HeaderExpires))
-	if resp.Header.Get(HeaderExpires) == "" {
-		resp.Header.Set(HeaderExpires, rec.Expires.UTC().Format(http.TimeFormat))
-	}
+	resp.Header.Set(HeaderExpires, expiresHeader(rec.Expires))
 	return true
 }
 
@@ -679,7 +708,7 @@ func (e *Engine) Get(ctx context.Context, scope, key string) (Record, error) {
 	if err == nil || errors.Is(err, ErrNotFound) {
 		e.answered()
 	}
-	return r, err
+	return withExpires(r), err
 }
 
 // Scan returns a page of stale records (UNKNOWN, or IN_PROGRESS past their
@@ -712,7 +741,11 @@ func (e *Engine) bounded(ctx context.Context, call func(context.Context) error) 
 // is the engine's clock's now. See [ListParams] for what a page promises.
 func (e *Engine) List(ctx context.Context, p ListParams) (ScanResult, error) {
 	p.Now = e.clock.Now()
-	return e.store.List(ctx, p)
+	page, err := e.store.List(ctx, p)
+	for i, rec := range page.Records {
+		page.Records[i] = withExpires(rec)
+	}
+	return page, err
 }
 
 // PruneOptions says what [Engine.Prune] deletes.

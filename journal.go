@@ -239,8 +239,8 @@ func (j *journal) replay(scope, key string, fp Fingerprint, now time.Time) (Outc
 		return Outcome{}, false
 	}
 	p := ent.Params
-	rec := Record{Scope: p.Scope, Key: p.Key, State: StateCompleted, Fingerprint: ent.Fingerprint, Token: p.Token,
-		Response: p.Response, Updated: p.Now, Expires: p.Expires}
+	rec := withExpires(Record{Scope: p.Scope, Key: p.Key, State: StateCompleted, Fingerprint: ent.Fingerprint, Token: p.Token,
+		Response: p.Response, Updated: p.Now, Expires: p.Expires})
 	if ent.Fingerprint != fp {
 		return Outcome{Decision: Mismatch, Record: rec, Diff: fp.Diff(ent.Fingerprint)}, true
 	}

@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sync"
@@ -172,8 +173,12 @@ func TestWaitersWokenByAJournaledOutcome(t *testing.T) {
 	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("charged")}); err != nil {
 		t.Fatalf("Complete with the store away: %v, want it kept", err)
 	}
-	if o := wait.Recv(t, got, 10*time.Second, "the duplicate's answer"); o.Decision != idem.Replay || string(o.Record.Response.Body) != "charged" {
+	o := wait.Recv(t, got, 10*time.Second, "the duplicate's answer")
+	if o.Decision != idem.Replay || string(o.Record.Response.Body) != "charged" {
 		t.Fatalf("the duplicate got %v %+v; want the replay of the kept outcome", o.Decision, o.Record.Response)
+	}
+	if got, want := o.Record.Response.Header.Get(idem.HeaderExpires), o.Record.Expires.UTC().Format(http.TimeFormat); got != want {
+		t.Fatalf("the journal's replay says %s %q, want %q", idem.HeaderExpires, got, want)
 	}
 }
 
