@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"reflect"
 	"strings"
 	"time"
 
@@ -96,10 +97,19 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	if err != nil {
 		return cfg, nil, err
 	}
+	// A variable that replaces what the file says is told at start: the
+	// environment may come from elsewhere than the operator who wrote the
+	// file (an image's ENV).
+	var replaced []setting
 	for i, s := range settings {
 		if v := env(s.env); v != "" {
+			file := reflect.ValueOf(s.field(&cfg).Interface())
 			if err := s.set(&cfg, v, true); err != nil {
 				return cfg, nil, fmt.Errorf("$%s: %w", s.env, err)
+			}
+			if !reflect.DeepEqual(file.Interface(), s.field(&defaults).Interface()) &&
+				!reflect.DeepEqual(file.Interface(), s.field(&cfg).Interface()) {
+				replaced = append(replaced, s)
 			}
 		}
 		for n, v := range flags[i].values {
@@ -117,6 +127,11 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 		return cfg, nil, err
 	}
 	log, err := cfg.Logger(stderr)
+	if err == nil {
+		for _, s := range replaced {
+			log.Warn("a variable replaces the configuration file's setting", "setting", s.yaml, "variable", "$"+s.env, "config", path)
+		}
+	}
 	return cfg, log, err
 }
 

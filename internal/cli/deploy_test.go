@@ -36,6 +36,13 @@ func TestKubernetesExample(t *testing.T) {
 			Name          string
 			ContainerPort int `yaml:"containerPort"`
 		}
+		VolumeMounts []struct {
+			MountPath string `yaml:"mountPath"`
+			ReadOnly  bool   `yaml:"readOnly"`
+		} `yaml:"volumeMounts"`
+		SecurityContext struct {
+			ReadOnlyRoot bool `yaml:"readOnlyRootFilesystem"`
+		} `yaml:"securityContext"`
 		Readiness probe `yaml:"readinessProbe"`
 		Liveness  probe `yaml:"livenessProbe"`
 		Lifecycle struct {
@@ -92,9 +99,23 @@ func TestKubernetesExample(t *testing.T) {
 	if i := slices.Index(args, "/etc/idem/idem.yaml"); i >= 0 {
 		args[i] = path
 	}
-	cfg, _, err := loadProxyConfig(args, envOf(map[string]string{"IDEM_STORE": "postgres://idem@postgres:5432/payments"}), io.Discard, io.Discard)
+	// The container runs the image, with its environment, and the
+	// example's own variables.
+	env := imageEnv(t)
+	env["IDEM_STORE"] = "postgres://idem@postgres:5432/payments"
+	cfg, _, err := loadProxyConfig(args, envOf(env), io.Discard, io.Discard)
 	if err != nil {
 		t.Fatalf("the example's configuration: %v", err)
+	}
+	// The journal keeps outcomes the store has not taken yet: it must be
+	// on a writable volume of the container (the root is read-only, and a
+	// restarted container starts from the image's).
+	onVolume := false
+	for _, m := range c.VolumeMounts {
+		onVolume = onVolume || (!m.ReadOnly && strings.HasPrefix(cfg.JournalDir(), strings.TrimSuffix(m.MountPath, "/")+"/"))
+	}
+	if !onVolume || !c.SecurityContext.ReadOnlyRoot {
+		t.Errorf("the journal is in %s, on no writable volume of the container (%+v; read-only root %v)", cfg.JournalDir(), c.VolumeMounts, c.SecurityContext.ReadOnlyRoot)
 	}
 	ports := map[string]string{}
 	for _, p := range c.Ports {
@@ -122,6 +143,45 @@ func TestKubernetesExample(t *testing.T) {
 			t.Errorf("the %s container stops after a preStop sleep of %v, before idem has drained (%v and shutdown_timeout %v): requests in flight end UNKNOWN",
 				api.Name, apiSleep, sleep, cfg.ShutdownTimeout)
 		}
+	}
+}
+
+// imageEnv is the IDEM_ variables the Dockerfile's image sets.
+func imageEnv(t *testing.T) map[string]string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := map[string]string{}
+	for _, v := range regexp.MustCompile(`\b(IDEM_[A-Z_]+)=(\S+)`).FindAllStringSubmatch(string(data), -1) {
+		env[v[1]] = v[2]
+	}
+	return env
+}
+
+// TestImageLeavesTheFileItsSettings: a configuration file given to the
+// image keeps its store and journal: the image's environment, which beats
+// a file, sets neither (it set both, and a file's postgres:// store was
+// replaced by the image's SQLite without a word: no idempotency across
+// replicas). What the image sets and a file says otherwise is told at
+// start.
+func TestImageLeavesTheFileItsSettings(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.yaml")
+	file := "upstream: http://127.0.0.1:9000\nstore: postgres://idem@db:5432/payments\njournal_dir: /var/lib/idem/journal\nlisten: 0.0.0.0:8443\n"
+	if err := os.WriteFile(path, []byte(file), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cfg, _, err := loadProxyConfig([]string{"--config", path}, envOf(imageEnv(t)), io.Discard, &stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Store != "postgres://idem@db:5432/payments" || cfg.JournalDir() != "/var/lib/idem/journal" {
+		t.Errorf("under the image's environment, the file's store is %q and journal %q", cfg.Store, cfg.JournalDir())
+	}
+	if cfg.Listen != imageEnv(t)["IDEM_LISTEN"] || !strings.Contains(stderr.String(), "IDEM_LISTEN") || !strings.Contains(stderr.String(), "listen") {
+		t.Errorf("listen %s; the start said %q, want a word that $IDEM_LISTEN replaced the file's listen", cfg.Listen, stderr.String())
 	}
 }
 

@@ -19,8 +19,10 @@ func configReference() string {
 
 Every setting has three spellings: a key in the YAML file named by ` + "`--config`" + ` (or
 ` + "`IDEM_CONFIG`" + `), an ` + "`IDEM_…`" + ` environment variable and a flag. Flags win over the environment,
-which wins over the file, which wins over the defaults. The settings are the library's own
-options: the engine's (` + "`idem.Config`" + `) and the middleware's (` + "`httpidem.Config`" + `).
+which wins over the file, which wins over the defaults; a variable that replaces what the file
+says is named in a warning at start (the Docker image sets ` + "`IDEM_LISTEN`" + ` and ` + "`IDEM_ADMIN_LISTEN`" + `).
+The settings are the library's own options: the engine's (` + "`idem.Config`" + `) and the
+middleware's (` + "`httpidem.Config`" + `).
 
 Values are written the same way everywhere:
 
