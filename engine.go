@@ -738,10 +738,15 @@ func (e *Engine) bounded(ctx context.Context, call func(context.Context) error) 
 
 // List returns a page of the live records that match p, in any state, for
 // operators; pass the returned cursor in p.Cursor for the next page. p.Now
-// is the engine's clock's now. See [ListParams] for what a page promises.
+// is the engine's clock's now. See [ListParams] for what a page promises. A
+// store that does not answer within the store timeout is unavailable.
 func (e *Engine) List(ctx context.Context, p ListParams) (ScanResult, error) {
 	p.Now = e.clock.Now()
-	page, err := e.store.List(ctx, p)
+	var page ScanResult
+	err := e.bounded(ctx, func(ctx context.Context) (err error) {
+		page, err = e.store.List(ctx, p)
+		return err
+	})
 	for i, rec := range page.Records {
 		page.Records[i] = withExpires(rec)
 	}
@@ -761,7 +766,8 @@ type PruneOptions struct {
 // Prune deletes settled records whose retention has run out, in batches,
 // and returns how many it deleted. Unsettled records (in progress, unknown)
 // are never deleted. Stores whose server expires records itself (Redis,
-// Memcached, DynamoDB) have nothing to delete.
+// Memcached, DynamoDB) have nothing to delete. Each batch is one store call
+// under the store timeout.
 func (e *Engine) Prune(ctx context.Context, o PruneOptions) (int, error) {
 	now := e.clock.Now()
 	before := o.Before
@@ -773,7 +779,11 @@ func (e *Engine) Prune(ctx context.Context, o PruneOptions) (int, error) {
 	}
 	total := 0
 	for {
-		n, err := e.store.Prune(ctx, store.PruneParams{Now: before, Limit: store.DefaultPruneLimit})
+		var n int
+		err := e.bounded(ctx, func(ctx context.Context) (err error) {
+			n, err = e.store.Prune(ctx, store.PruneParams{Now: before, Limit: store.DefaultPruneLimit})
+			return err
+		})
 		total += n
 		if o.Progress != nil {
 			o.Progress(total)

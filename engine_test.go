@@ -641,6 +641,46 @@ func TestCheckpointIsBoundedByTheStoreTimeout(t *testing.T) {
 	}
 }
 
+// stallingListings is a store whose listings and prunes are never answered
+// (a partition with no reset: the driver waits for the OS's TCP timeout).
+type stallingListings struct{ idem.Store }
+
+func (stallingListings) List(ctx context.Context, p store.ListParams) (store.ScanResult, error) {
+	<-ctx.Done()
+	return store.ScanResult{}, ctx.Err()
+}
+
+func (stallingListings) Prune(ctx context.Context, p store.PruneParams) (int, error) {
+	<-ctx.Done()
+	return 0, ctx.Err()
+}
+
+// TestListAndPruneAreBoundedByTheStoreTimeout: an operator's listing (the
+// console's records page, idem keys ls) and a prune are unavailable after
+// the store timeout when the store does not answer, as Get and Scan are.
+// (They waited on the caller's context: the console's page hung for as
+// long as the store did, and every reload left another request waiting.)
+func TestListAndPruneAreBoundedByTheStoreTimeout(t *testing.T) {
+	eng, err := idem.New(idem.Config{Store: stallingListings{memstore.New()}, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 2)
+	go func() {
+		_, err := eng.List(ctx, idem.ListParams{})
+		done <- err
+	}()
+	go func() {
+		_, err := eng.Prune(ctx, idem.PruneOptions{})
+		done <- err
+	}()
+	for range 2 {
+		if err := wait.Recv(t, done, 10*time.Second, "the listing's and the prune's end (store timeout 100ms)"); !errors.Is(err, idem.ErrUnavailable) {
+			t.Fatalf("got %v, want ErrUnavailable", err)
+		}
+	}
+}
+
 // notOpen is a store that has not opened yet: every call is refused before
 // it leaves the process (as storeopen's while the server is unreachable).
 type notOpen struct{ idem.Store }
