@@ -240,6 +240,9 @@ func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, cfg console.Config, 
 	if err != nil {
 		return nil, err
 	}
+	if lines := audit.Unreadable(); len(lines) > 0 {
+		log.Warn("audit log: lines that do not parse (an append cut short?) are left as they are and passed over", "file", auditPath, "lines", lines)
+	}
 	cfg.Engine, cfg.Counts, cfg.Audit, cfg.Logger = eng, tel.Counts, audit, log
 	return console.New(cfg)
 }

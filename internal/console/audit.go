@@ -2,6 +2,7 @@ package console
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -37,25 +38,31 @@ type Entry struct {
 // JSON (synced before the action is reported done), and the latest kept in
 // memory for the console to show. With no file it is kept in memory only.
 type Audit struct {
-	mu     sync.Mutex
-	path   string
-	recent []Entry
+	mu         sync.Mutex
+	path       string
+	recent     []Entry
+	unreadable []int
+	// torn is set while the file may end in a line cut short (an append
+	// that a crash or a full disk interrupted): the next one starts a new
+	// line, so that it is read whole.
+	torn bool
 }
 
 // keep is how many entries the console shows.
 const keep = 200
 
-// OpenAudit opens the audit log at path, reading the entries it already
-// holds; an empty path keeps the log in memory only.
+// OpenAudit opens the audit log at path, creating the file if need be, and
+// reads the entries it already holds; an empty path keeps the log in memory
+// only. A file that cannot be appended to is refused, so that no action
+// runs unaudited. A line that does not parse (an append that a crash or a
+// full disk cut short) is left as it is and passed over: see
+// [Audit.Unreadable].
 func OpenAudit(path string) (*Audit, error) {
 	a := &Audit{path: path}
 	if path == "" {
 		return a, nil
 	}
-	f, err := os.Open(path)
-	if os.IsNotExist(err) {
-		return a, nil
-	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("audit log: %w", err)
 	}
@@ -63,17 +70,35 @@ func OpenAudit(path string) (*Audit, error) {
 	sc := bufio.NewScanner(f)
 	sc.Buffer(nil, 1<<20)
 	for n := 1; sc.Scan(); n++ {
+		if len(bytes.TrimSpace(sc.Bytes())) == 0 {
+			continue
+		}
 		var e Entry
 		if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
-			return nil, fmt.Errorf("audit log %s, line %d: %w", path, n, err)
+			a.unreadable = append(a.unreadable, n)
+			continue
 		}
 		a.remember(e)
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("audit log: %w", err)
 	}
+	last := make([]byte, 1)
+	if info, err := f.Stat(); err != nil {
+		return nil, fmt.Errorf("audit log: %w", err)
+	} else if info.Size() > 0 {
+		if _, err := f.ReadAt(last, info.Size()-1); err != nil {
+			return nil, fmt.Errorf("audit log: %w", err)
+		}
+		a.torn = last[0] != '\n'
+	}
 	return a, nil
 }
+
+// Unreadable returns the numbers of the lines of the file that did not
+// parse when it was opened (an append cut short), for the operator to look
+// at; their entries are not in [Audit.Recent].
+func (a *Audit) Unreadable() []int { return a.unreadable }
 
 // Path is the file the log is written to; empty when it is in memory only.
 func (a *Audit) Path() string { return a.path }
@@ -92,6 +117,9 @@ func (a *Audit) Write(e Entry) error {
 		if err != nil {
 			return fmt.Errorf("audit log: %w", err)
 		}
+		if a.torn {
+			line = append([]byte{'\n'}, line...)
+		}
 		_, err = f.Write(append(line, '\n'))
 		if err == nil {
 			err = f.Sync()
@@ -100,8 +128,10 @@ func (a *Audit) Write(e Entry) error {
 			err = cerr
 		}
 		if err != nil {
+			a.torn = true // some of the line may have been written
 			return fmt.Errorf("audit log: %w", err)
 		}
+		a.torn = false
 	}
 	a.remember(e)
 	return nil
