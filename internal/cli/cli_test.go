@@ -102,6 +102,8 @@ func TestConfigErrors(t *testing.T) {
 		"bad log format":         {[]string{"--log-format", "xml"}, nil, "xml"},
 		"bad route pattern":      {[]string{"--config", file("pattern.yaml", "upstream: http://x\nroutes:\n  - match: POST\n")}, nil, "route"},
 		"no upstream":            {nil, nil, "no upstream"},
+		"bad listen":             {[]string{"--listen", "not-an-address"}, nil, `listen "not-an-address"`},
+		"bad admin listen":       {nil, map[string]string{"IDEM_ADMIN_LISTEN": "9090"}, `admin_listen "9090"`},
 	} {
 		var stderr strings.Builder
 		env := map[string]string{"IDEM_UPSTREAM": "http://127.0.0.1:9000"}

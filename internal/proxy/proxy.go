@@ -307,6 +307,14 @@ func (cfg Config) Validate() error {
 	if err := cfg.checkLimits(); err != nil {
 		return err
 	}
+	for _, a := range []struct{ name, addr string }{{"listen", cfg.Listen}, {"admin_listen", cfg.AdminListen}} {
+		if a.addr == "" && a.name == "admin_listen" {
+			continue // no admin listener
+		}
+		if _, _, err := net.SplitHostPort(a.addr); err != nil {
+			return fmt.Errorf("%w: %s %q: want host:port or :port, as in 127.0.0.1:8080", idem.ErrInvalid, a.name, a.addr)
+		}
+	}
 	engCfg := cfg.Engine
 	engCfg.Store, engCfg.JournalDir = memstore.New(), ""
 	eng, err := idem.New(engCfg)
