@@ -5,7 +5,7 @@
 // The checks, each with a fresh random key:
 //
 //	replay                a retry gets the first answer, byte for byte, marked Idempotent-Replayed
-//	payload-mismatch      the same key with another payload gets 422
+//	payload-mismatch      the same key with another payload gets 422 and, read with an effects page, moves no side effect
 //	concurrent-duplicates N requests at once: one outcome (the others replay it or get 409, 429 or 503), replayed after
 //	missing-key           no key gets 400 (only with RequireKey)
 //	malformed-keys        an empty, over-long, non-ASCII or doubled key gets 400
@@ -19,7 +19,8 @@
 // same byte for byte: the concurrent check passes them, and says so. Give
 // [Config.EffectsURL], a page that shows the request's side effects, and
 // the check reads them too: the duplicates must move them exactly as one
-// run does.
+// run does. The payload-mismatch check reads them as well: an endpoint
+// that runs the other payload before it answers 422 moves them, and fails.
 //
 // A 4xx answer is an outcome, not a refusal, when the endpoint stores it: a
 // retry with the same key gets it back marked replayed (a declined card's
@@ -114,7 +115,10 @@ type Config struct {
 	// duplicates exactly as they moved during the one run: a second
 	// execution that answers like a replay or a 409 moves them again. The
 	// one run must move at least one of them, or the probe shows nothing
-	// and the check fails saying so. Give a page that nothing else changes
+	// and the check fails saying so. The payload-mismatch check reads it
+	// before and after the request with the other payload, which must move
+	// none of them: an endpoint that runs it and then answers 422 has run
+	// a second request under one key. Give a page that nothing else changes
 	// while verify runs, whose numbers move by the same amount with every
 	// run (not a clock or a random id), and whose effects are written
 	// before the request is answered. Without it, the check reads answers
@@ -490,11 +494,34 @@ func (r *runner) mismatch(ctx context.Context) Check {
 		c.Result, c.Detail = Fail, fmt.Sprintf("the first request failed (%s)", first)
 		return c
 	}
+	// With an effects page: read it around the other payload, which must
+	// run nothing.
+	var before effects
+	if r.cfg.EffectsURL != "" {
+		var err error
+		if before, err = r.effects(ctx); err != nil {
+			c.Result, c.Detail = Fail, "the effects URL, before the other payload: "+err.Error()
+			return c
+		}
+	}
 	other := r.send(ctx, r.retrying, r.cfg.ChangedBody, []string{key}, nil)
-	if other.status == http.StatusUnprocessableEntity {
-		c.Result, c.Detail = Pass, "the same key with another payload got 422"
-	} else {
+	if other.status != http.StatusUnprocessableEntity {
 		c.Result, c.Detail = Fail, fmt.Sprintf("the same key with another payload got %s; want 422", other)
+		return c
+	}
+	c.Result, c.Detail = Pass, "the same key with another payload got 422"
+	if r.cfg.EffectsURL == "" {
+		return c
+	}
+	after, err := r.effects(ctx)
+	if err != nil {
+		c.Result, c.Detail = Fail, "the effects URL, after the other payload: "+err.Error()
+		return c
+	}
+	if moved := movedBetween(before, after); len(moved) > 0 {
+		c.Result, c.Detail = Fail, fmt.Sprintf("the same key with another payload got 422 but moved the side effects (%s): it ran before it refused", strings.Join(moved, ", "))
+	} else {
+		c.Detail += "; the side effects did not move"
 	}
 	return c
 }
@@ -657,42 +684,76 @@ func (e effects) walk(path string, v any) {
 	}
 }
 
+// diff is how much each number moved from one read of the effects page to
+// a later one. Numbers that are not in both reads (an array's new element)
+// are left out; its length is not.
+func diff(from, to effects) effects {
+	d := effects{}
+	for path, n := range to {
+		if f, ok := from[path]; ok {
+			d[path] = new(big.Rat).Sub(n, f)
+		}
+	}
+	return d
+}
+
+// effectName names a path of the effects page in a report.
+func effectName(path string) string {
+	p, isLength := strings.CutSuffix(path, lengthOf)
+	if p == "" {
+		p = "the answer"
+	}
+	if isLength {
+		return "the length of " + p
+	}
+	return p
+}
+
+// movedBy says how much a number moved: "/charges by 1".
+func movedBy(path string, by *big.Rat) string {
+	return fmt.Sprintf("%s by %s", effectName(path), by.RatString())
+}
+
+// firstFew keeps a report line short: the first three, then "…".
+func firstFew(s []string) []string {
+	const most = 3
+	if len(s) > most {
+		return append(s[:most:most], "…")
+	}
+	return s
+}
+
+// movedBetween says which numbers moved from one read to a later one, and
+// by how much, in path order.
+func movedBetween(from, to effects) []string {
+	d := diff(from, to)
+	var moved []string
+	for _, path := range slices.Sorted(maps.Keys(d)) {
+		if d[path].Sign() != 0 {
+			moved = append(moved, movedBy(path, d[path]))
+		}
+	}
+	return firstFew(moved)
+}
+
 // compareEffects says which numbers one run moved, and which the
 // duplicates moved otherwise than one run did. Numbers that are not in all
 // three reads (an array's new element) are left out; its length is not.
 func compareEffects(before, one, after effects) (moved, unlike []string) {
-	name := func(path string) string {
-		p, isLength := strings.CutSuffix(path, lengthOf)
-		if p == "" {
-			p = "the answer"
-		}
-		if isLength {
-			return "the length of " + p
-		}
-		return p
-	}
-	for _, path := range slices.Sorted(maps.Keys(one)) {
-		b, ok := before[path]
-		a, ok2 := after[path]
-		if !ok || !ok2 {
+	byOne, byAll := diff(before, one), diff(one, after)
+	for _, path := range slices.Sorted(maps.Keys(byOne)) {
+		all, ok := byAll[path]
+		if !ok {
 			continue
 		}
-		byOne, byAll := new(big.Rat).Sub(one[path], b), new(big.Rat).Sub(a, one[path])
-		if byOne.Sign() != 0 {
-			moved = append(moved, fmt.Sprintf("%s by %s", name(path), byOne.RatString()))
+		if byOne[path].Sign() != 0 {
+			moved = append(moved, movedBy(path, byOne[path]))
 		}
-		if byOne.Cmp(byAll) != 0 {
-			unlike = append(unlike, fmt.Sprintf("%s moved by %s (one run moves it by %s)", name(path), byAll.RatString(), byOne.RatString()))
+		if byOne[path].Cmp(all) != 0 {
+			unlike = append(unlike, fmt.Sprintf("%s moved by %s (one run moves it by %s)", effectName(path), all.RatString(), byOne[path].RatString()))
 		}
 	}
-	const most = 3
-	if len(moved) > most {
-		moved = append(moved[:most], "…")
-	}
-	if len(unlike) > most {
-		unlike = append(unlike[:most], "…")
-	}
-	return moved, unlike
+	return firstFew(moved), firstFew(unlike)
 }
 
 func (r *runner) missingKey(ctx context.Context) Check {

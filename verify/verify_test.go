@@ -103,10 +103,11 @@ func TestCatchesNoIdempotency(t *testing.T) {
 	}
 }
 
-// keyed is a hand-made idempotency layer with two optional flaws.
+// keyed is a hand-made idempotency layer with three optional flaws.
 type keyed struct {
 	ignorePayload bool // replays whatever the payload
 	noLock        bool // looks up, runs, then stores: duplicates race
+	chargesFirst  bool // runs a known key's request before comparing payloads: charges, then 422
 	mu            sync.Mutex
 	done          map[string][2]string // key → body, answer
 	next          http.Handler
@@ -136,6 +137,10 @@ func (k *keyed) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	prior, ok := k.done[key]
 	if ok {
 		k.mu.Unlock()
+		if k.chargesFirst && prior[0] != string(body) {
+			r.Body = io.NopCloser(strings.NewReader(string(body)))
+			k.next.ServeHTTP(httptest.NewRecorder(), r)
+		}
 		if !k.ignorePayload && prior[0] != string(body) {
 			(&httpidem.Problem{Type: httpidem.ProblemPayloadMismatch, Title: "mismatch", Status: 422}).Write(w)
 			return
@@ -174,6 +179,45 @@ func TestCatchesIgnoredPayload(t *testing.T) {
 	}
 	if got["replay"].Result != verify.Pass || got["concurrent-duplicates"].Result != verify.Pass {
 		t.Fatalf("the rest should pass: %+v", got)
+	}
+}
+
+// TestMismatchWatchesTheEffects: with an effects URL, the payload-mismatch
+// check reads the side effects around the other payload. A layer that
+// charges the other payload before it answers 422 fails it, naming what
+// moved; one that answers 422 and runs nothing passes. (Every check passed
+// the first, which charged 5 times for 4 keys.)
+func TestMismatchWatchesTheEffects(t *testing.T) {
+	for name, chargesFirst := range map[string]bool{"charges first": true, "correct": false} {
+		t.Run(name, func(t *testing.T) {
+			var n atomic.Int64
+			mux := http.NewServeMux()
+			mux.Handle("POST /v1/charges", &keyed{chargesFirst: chargesFirst, done: map[string][2]string{}, next: charge(&n)})
+			mux.HandleFunc("GET /effects", func(w http.ResponseWriter, r *http.Request) {
+				fmt.Fprintf(w, `{"charges":%d}`, n.Load())
+			})
+			srv := httptest.NewServer(mux)
+			defer srv.Close()
+			rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL + "/v1/charges", Body: `{"amount":100}`,
+				Credentials: []string{"Bearer alice", "Bearer bob"}, EffectsURL: srv.URL + "/effects"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := results(rep)
+			c := got["payload-mismatch"]
+			if chargesFirst {
+				if c.Result != verify.Fail || !strings.Contains(c.Detail, "moved the side effects") || !strings.Contains(c.Detail, "/charges by 1") {
+					t.Errorf("payload-mismatch: %+v; want a failure saying /charges moved by 1", c)
+				}
+			} else if c.Result != verify.Pass || !strings.Contains(c.Detail, "got 422") || !strings.Contains(c.Detail, "did not move") {
+				t.Errorf("payload-mismatch: %+v; want a pass saying the side effects did not move", c)
+			}
+			for _, other := range rep.Checks {
+				if other.Name != "payload-mismatch" && other.Result == verify.Fail {
+					t.Errorf("%s: %+v; want no other failure", other.Name, other)
+				}
+			}
+		})
 	}
 }
 

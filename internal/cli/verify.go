@@ -32,7 +32,7 @@ func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.IntVar(&cfg.Concurrency, "concurrency", verify.DefaultConcurrency, "duplicates sent at once")
 	fs.BoolVar(&cfg.RequireKey, "require-key", false, "check that a request without a key gets 400")
 	fs.StringVar(&cfg.ScopeHeader, "scope-header", "Authorization", "the `header` that tells callers apart")
-	fs.StringVar(&cfg.EffectsURL, "effects-url", "", "`URL` of a JSON page that shows the request's side effects (a balance, a count): the concurrent check reads it to see a duplicate that ran but answered like a replay or a 409")
+	fs.StringVar(&cfg.EffectsURL, "effects-url", "", "`URL` of a JSON page that shows the request's side effects (a balance, a count): the concurrent check reads it to see a duplicate that ran but answered like a replay or a 409, and the payload-mismatch check to see another payload that ran before it got 422")
 	fs.DurationVar(&cfg.Timeout, "timeout", verify.DefaultTimeout, "the longest `duration` of each request")
 	var creds stringList
 	fs.Var(&creds, "credential", "a `credential`, a value of --scope-header; give two to check that keys are scoped per caller")
