@@ -180,6 +180,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 	stop := &proxy.Stop{Timeout: shutdown}
 	defer stop.Release()
 	storeopen.SetLogger(log)
+	telemetry.SetLogger(log)
 	opened, err := storeopen.OpenEventually(ctx, cfg.Store)
 	if err != nil {
 		return fail(stderr, "idem proxy: opening the store", err)

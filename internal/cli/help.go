@@ -14,6 +14,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/proxy"
 	"github.com/idemhq/idem/internal/storeopen"
+	"github.com/idemhq/idem/internal/telemetry"
 )
 
 // command is a subcommand as its help presents it.
@@ -401,6 +402,7 @@ func logFlag(fs *flag.FlagSet, stderr io.Writer) func() (*slog.Logger, error) {
 		log, err := proxy.Config{LogFormat: *format}.Logger(stderr)
 		if err == nil {
 			storeopen.SetLogger(log)
+			telemetry.SetLogger(log)
 		}
 		return log, err
 	}

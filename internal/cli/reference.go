@@ -114,7 +114,10 @@ routes:
 
 Traces are off unless ` + "`OTEL_EXPORTER_OTLP_ENDPOINT`" + ` (or ` + "`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`" + `) is
 set, with ` + "`OTEL_TRACES_EXPORTER`" + ` unset or ` + "`otlp`" + `; ` + "`OTEL_SERVICE_NAME`" + ` names the service (default
-` + "`idem`" + `). Prometheus metrics are on ` + "`admin_listen`" + `'s ` + "`/metrics`" + `.
+` + "`idem`" + `). An endpoint variable that is set must be an ` + "`http://`" + ` or ` + "`https://`" + ` URL with a host, with
+any ` + "`/ ? # @ : %`" + ` in its user name or password percent-encoded: the proxy and the demo refuse to
+start otherwise, naming the variable. The SDK's own log lines follow ` + "`log_format`" + `, without
+passwords or header values. Prometheus metrics are on ` + "`admin_listen`" + `'s ` + "`/metrics`" + `.
 `)
 	return b.String()
 }

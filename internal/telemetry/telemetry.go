@@ -13,6 +13,10 @@
 // (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, with
 // OTEL_TRACES_EXPORTER unset or "otlp"; OTEL_SERVICE_NAME names the
 // service). Then each request is a span, each store operation a child span.
+// An endpoint variable that is set must be an http:// or https:// URL with
+// a host (a / ? # @ : or % in its password percent-encoded): [New] refuses
+// it otherwise, naming the variable, never its password. [SetLogger] sends
+// the OpenTelemetry SDK's own log lines to the process's logger.
 package telemetry
 
 import (
@@ -20,6 +24,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 
@@ -38,6 +43,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store"
 )
@@ -74,11 +80,11 @@ func New(ctx context.Context, getenv func(string) string) (*Telemetry, error) {
 	}
 	t.registry.MustRegister(t.requests, t.storeOps, t.leasesLost, t.records, t.settled,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	endpoint := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-	if endpoint == "" && getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" {
-		endpoint = strings.TrimSuffix(getenv("OTEL_EXPORTER_OTLP_ENDPOINT"), "/") + "/v1/traces"
+	endpoint, err := tracesEndpoint(getenv)
+	if err != nil {
+		return nil, err
 	}
-	if exporter := getenv("OTEL_TRACES_EXPORTER"); endpoint == "" || (exporter != "" && exporter != "otlp") {
+	if endpoint == "" {
 		return t, nil
 	}
 	exp, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
@@ -96,6 +102,50 @@ func New(ctx context.Context, getenv func(string) string) (*Telemetry, error) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
 	t.tracer, t.shutdown = tp.Tracer("github.com/idemhq/idem"), tp.Shutdown
 	return t, nil
+}
+
+// tracesEndpoint is the URL the traces go to, as the environment (getenv)
+// says, or "" when traces are off. The endpoint variables are checked here,
+// before the SDK reads them (it reads the process's environment too): the
+// SDK logs a URL it cannot parse whole, password included, and then sends
+// the traces to its default, https://localhost:4318. A variable that is set
+// and is no http:// or https:// URL with a host is refused, with an error
+// that names it and shows its value without its password.
+func tracesEndpoint(getenv func(string) string) (string, error) {
+	if exporter := getenv("OTEL_TRACES_EXPORTER"); exporter != "" && exporter != "otlp" {
+		return "", nil
+	}
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"} {
+		if err := checkEndpoint(name, getenv(name)); err != nil {
+			return "", err
+		}
+	}
+	if endpoint := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"); endpoint != "" {
+		return endpoint, nil
+	}
+	if base := getenv("OTEL_EXPORTER_OTLP_ENDPOINT"); base != "" {
+		return strings.TrimSuffix(base, "/") + "/v1/traces", nil
+	}
+	return "", nil
+}
+
+// checkEndpoint checks the value v of the endpoint variable name, when set.
+// Its error never quotes url's, which may hold part of the password (a / in
+// a password makes url read what follows the : as a port).
+func checkEndpoint(name, v string) error {
+	if v == "" {
+		return nil
+	}
+	u, err := url.Parse(v)
+	if err != nil {
+		return fmt.Errorf("%w: $%s: %s is not a valid URL (a / ? # @ : or %% in the user name or password must be percent-encoded)",
+			idem.ErrInvalid, name, redact.URL(v))
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("%w: $%s: %s: want an http:// or https:// URL with a host (OTLP/HTTP), such as http://collector:4318",
+			idem.ErrInvalid, name, redact.URL(v))
+	}
+	return nil
 }
 
 // FlushTimeout bounds the flushing of the traces at exit: a collector that
