@@ -167,7 +167,9 @@ func (s *Store) indexAppend(ctx context.Context, op string, shard int, line []by
 		}
 		it.Value = set.bytes()
 		if !s.fits(key, it.Value) {
-			return fmt.Errorf("memcachedstore: %s: %w: the index of shard %d is full (%d unsettled leases, %d bytes); raise Config.Shards",
+			return fmt.Errorf("memcachedstore: %s: %w: the index of shard %d is full (%d unsettled leases, %d bytes) until records are settled "+
+				"(a reconciler settles the stale ones, and its scans drop the entries of records settled or gone); "+
+				"Config.Shards cannot change under a Prefix: more shards take a new Prefix, whose store does not see the records under the old one",
 				op, store.ErrUnavailable, shard, len(set), len(it.Value))
 		}
 		if err := ctx.Err(); err != nil {

@@ -169,14 +169,18 @@
 // (Response.BodyOmitted), never failing for it. Checkpoints may take more
 // than the reserve, up to the item size limit less 16 KiB kept for the
 // outcome's status and headers (a checkpoint past it fails with
-// [store.ErrInvalid], before the step it guards, and is not written);
-// a completion whose body then does not fit beside them, or beside large
-// headers, is stored with the body omitted too, and so is one that the
-// server refuses as too large (its -I below Config.MaxItem). The choice
-// is made on the record alone, so a repeat of the Finish finds what the
-// first wrote. Only a record too large without its body (headers of
-// about the item size limit) fails, with an error wrapping
-// [store.ErrInvalid], before anything is written.
+// [store.ErrInvalid], before the step it guards, and is not written).
+// A completion that does not fit in the item (its body beside the
+// checkpoints, or headers over the 16 KiB they left), or that the server
+// refuses as too large (its -I below Config.MaxItem), is stored in the
+// first of these forms that fits: without its checkpoints (recovery points
+// for a running lease, which a settled record no longer needs), so that a
+// replay still sends the body; with its body omitted and its checkpoints
+// kept; without either. The choice is made on the record alone, so a
+// repeat of the Finish finds what the first wrote. Only a completion too
+// large without its body and checkpoints (headers of about the item size
+// limit) fails, with an error wrapping [store.ErrInvalid], before anything
+// is written.
 //
 // # Errors and contexts
 //
@@ -296,16 +300,18 @@ type Config struct {
 	// 17,000 per shard per MiB of item size) and spread the appends of busy
 	// services; a scan page reads every index in one multi-get either way.
 	// Shards decides where a record is indexed: it must never change for a
-	// deployment, or scans miss the records indexed before. Defaults to
-	// [DefaultShards].
+	// deployment, or scans miss the records indexed before (and refuse the
+	// cursors of the old number). A deployment that needs more shards
+	// moves to a new Prefix, whose store does not see the records under the
+	// old one. Defaults to [DefaultShards].
 	Shards int
 	// MaxItem is the server's item size limit in bytes (memcached -I),
 	// [MinMaxItem] to [MaxMaxItem]. It must not be larger than the server's:
 	// records are checked against it before they are written, and [Store.MaxBody]
 	// derives from it. (When it is, a completion the server refuses is
-	// stored with its body omitted, two round trips later, and other
-	// writes it refuses fail with [store.ErrInvalid].) Defaults to
-	// [DefaultMaxItem].
+	// stored in a smaller form, see [Store.Finish], two round trips later
+	// for each form it refuses, and other writes it refuses fail with
+	// [store.ErrInvalid].) Defaults to [DefaultMaxItem].
 	MaxItem int
 }
 
@@ -379,8 +385,9 @@ func (s *Store) recordKey(h string) string { return s.prefix + ":r:" + h }
 
 // responseRoom is the room a running record keeps in its item for the
 // status and headers of its outcome: a checkpoint that would leave less
-// fails, so that checkpoints never take the room a completion needs (its
-// body is omitted when that is what does not fit).
+// fails, so that a completion with headers within it keeps the checkpoints
+// (it drops them, or omits its body, when that is what does not fit; see
+// [smaller]).
 const responseRoom = 16 << 10
 
 // fits reports whether an item of key and value is within the item size
@@ -394,9 +401,18 @@ func fitsIn(key string, value []byte, limit int) bool {
 	return len(value)+len(key)+itemOverhead <= limit
 }
 
+// tooLarge is the error of an op whose record, value under key, would take
+// more than the limit it was checked against.
 func tooLarge(op, key string, value []byte, limit int) error {
-	return fmt.Errorf("memcachedstore: %s: %w: the record would take %d bytes, over the %d it may (Config.MaxItem, less room kept for the response while it runs); its headers or checkpoints are too large",
-		op, store.ErrInvalid, len(value)+len(key)+itemOverhead, limit)
+	why := "Config.MaxItem"
+	switch op {
+	case "checkpoint":
+		why = "Config.MaxItem less 16 KiB kept for the status and headers of the outcome; the checkpoints are too many or too large"
+	case "finish":
+		why = "Config.MaxItem, with the checkpoints dropped and the body omitted; the response's headers are too large"
+	}
+	return fmt.Errorf("memcachedstore: %s: %w: the record would take %d bytes, over the %d it may (%s)",
+		op, store.ErrInvalid, len(value)+len(key)+itemOverhead, limit, why)
 }
 
 // objectTooLarge reports the server's refusal of an item over its own item
@@ -534,12 +550,14 @@ func (s *Store) Checkpoint(ctx context.Context, p store.CheckpointParams) error 
 // for COMPLETED and FAILED the removal of the lease's index entry; 3 round
 // trips (2 for UNKNOWN). A settled record gets a Memcached expiration at its
 // Expires (see the package documentation). A response body over
-// [Store.MaxBody] is stored omitted, and so is one that does not fit in
-// the item beside the record's checkpoints and the response's headers, or
-// that the server refuses as too large (its item size limit below
-// [Config.MaxItem]; the gets and cas are then made again). A repeat of such a Finish
-// ([store.FinishParams.Repeat]) finds the record stored with the body
-// omitted and lands. Only a record too large without its body fails, with
+// [Store.MaxBody] is stored omitted. A settled record that does not fit in
+// the item, or that the server refuses as too large (its item size limit
+// below [Config.MaxItem]; the gets and cas are then made again, for each
+// form it refuses), is stored without its checkpoints, body kept; failing
+// that, with its body omitted, checkpoints kept; failing that, without
+// either. A repeat of such a Finish ([store.FinishParams.Repeat]) finds
+// the record as stored and lands. Only a record too large without its
+// body and checkpoints (headers of about the item size limit) fails, with
 // an error wrapping [store.ErrInvalid], and nothing is written.
 func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	if err := p.Validate(); err != nil {
@@ -564,7 +582,7 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 			return err
 		}
 	}
-	r, err := s.update(ctx, "finish", p.Scope, p.Key, p.Now, s.maxItem, apply, shrinkBody)
+	r, err := s.update(ctx, "finish", p.Scope, p.Key, p.Now, s.maxItem, apply, smaller)
 	if err != nil {
 		return err
 	}
@@ -577,28 +595,49 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 	return nil
 }
 
-// shrinkBody omits the body of r's response, and reports whether there was
-// one to omit.
-func shrinkBody(r *store.Record) bool {
-	if r.Response == nil || len(r.Response.Body) == 0 {
-		return false
+// smaller returns the forms of a settled record r that take less room, most
+// useful first: without its checkpoints (recovery points for a running
+// lease, which a settled record no longer has), so that a replay still
+// sends the body; with its body omitted, checkpoints kept; without either.
+// An unsettled record has none: its checkpoints are what a reconciler
+// resolves it by.
+func smaller(r store.Record) []store.Record {
+	if !r.State.Terminal() {
+		return nil
 	}
-	r.Response = r.Response.WithoutBody()
-	return true
+	var forms []store.Record
+	bare := r
+	bare.Checkpoints = nil
+	if len(r.Checkpoints) > 0 {
+		forms = append(forms, bare)
+	}
+	if r.Response != nil && len(r.Response.Body) > 0 {
+		omitted := r
+		omitted.Response = r.Response.WithoutBody()
+		bare.Response = omitted.Response
+		forms = append(forms, omitted)
+		if len(r.Checkpoints) > 0 {
+			forms = append(forms, bare)
+		}
+	}
+	return forms
 }
 
 // update reads the record of scope and key, applies apply to it, and swaps
 // it in, reading again when another write got there first. It returns the
 // record as written. A missing record, or a foreign one, is passed to apply
-// as nil. A record whose item would take more than limit bytes, or that the
-// server refuses as too large, is given to shrink, when not nil, which
-// makes it smaller and reports whether it could; one that still does not
-// fit is not written, and the error wraps [store.ErrInvalid].
+// as nil. A record whose item would take more than limit bytes, or not less
+// than one the server refused as too large, is written in the first of the
+// forms shrink gives (when not nil) that fits; one that still does not fit
+// is not written, and the error wraps [store.ErrInvalid].
 func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time, limit int,
-	apply func(*store.Record) error, shrink func(*store.Record) bool) (store.Record, error) {
+	apply func(*store.Record) error, shrink func(store.Record) []store.Record) (store.Record, error) {
 	h := recordHash(scope, key)
 	mkey := s.recordKey(h)
-	serverRefused := false // the server refused the record as too large: shrink it at once
+	refused, refusal := 0, error(nil) // the size of the last value the server refused as too large, and its error
+	fits := func(value []byte) bool {
+		return fitsIn(mkey, value, limit) && (refusal == nil || len(value) < refused)
+	}
 	for range maxAttempts {
 		if err := ctx.Err(); err != nil {
 			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
@@ -624,12 +663,21 @@ func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time
 		if err != nil {
 			return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
 		}
-		if (serverRefused || !fitsIn(mkey, value, limit)) && shrink != nil && shrink(&r) {
-			if value, err = encode(&r); err != nil {
-				return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+		if !fits(value) && shrink != nil {
+			for _, form := range shrink(r) {
+				r = form
+				if value, err = encode(&r); err != nil {
+					return store.Record{}, fmt.Errorf("memcachedstore: %s: %w", op, err)
+				}
+				if fits(value) {
+					break
+				}
 			}
 		}
-		if !fitsIn(mkey, value, limit) {
+		if !fits(value) {
+			if refusal != nil {
+				return store.Record{}, translate(op, refusal)
+			}
 			return store.Record{}, tooLarge(op, mkey, value, limit)
 		}
 		it.Value, it.Expiration = value, 0
@@ -643,10 +691,10 @@ func (s *Store) update(ctx context.Context, op, scope, key string, now time.Time
 		if err == nil {
 			return r, nil
 		}
-		if objectTooLarge(err) && !serverRefused && shrink != nil {
+		if objectTooLarge(err) && shrink != nil {
 			// The server's limit is below MaxItem, and its refusal left
 			// the item as it was: read it again and write it smaller.
-			serverRefused = true
+			refused, refusal = len(value), err
 			continue
 		}
 		if !retryable(err) {

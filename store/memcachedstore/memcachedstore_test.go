@@ -848,8 +848,9 @@ func TestBodyLimit(t *testing.T) {
 
 // TestServerLimitBelowMaxItem: a MaxItem above the server's item size limit
 // lets through a record the server refuses. A completed record is then
-// stored with its body omitted (and a repeat of its Finish lands); one the
-// server refuses even so is ErrInvalid, and the record is left as it was.
+// stored in the first smaller form the server takes, after as many
+// refusals as it takes (and a repeat of its Finish lands); one the server
+// refuses even so is ErrInvalid, and the record is left as it was.
 func TestServerLimitBelowMaxItem(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{MaxItem: 4 << 20})
@@ -878,13 +879,40 @@ func TestServerLimitBelowMaxItem(t *testing.T) {
 	if got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "headers", Now: t0}); err != nil || got.State != idem.StateInProgress {
 		t.Fatalf("after the refused Finish: %+v, %v", got, err)
 	}
+
+	// A record with checkpoints and a body over the server's limit: the
+	// server refuses it, then its form without the checkpoints, and takes
+	// the one with the body omitted, checkpoints kept.
+	r = testkit.Acquire(t, s, "s", "checkpoints", t0, time.Minute)
+	for i := range 3 {
+		if err := s.Checkpoint(ctx, store.CheckpointParams{Scope: "s", Key: "checkpoints", Token: r.Token, Now: t0, Name: fmt.Sprintf("c%d", i), Data: []byte("d")}); err != nil {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+	}
+	p = idem.FinishParams{Scope: "s", Key: "checkpoints", Token: r.Token, Now: t0, State: idem.StateCompleted,
+		Response: &idem.Response{Status: 200, Body: make([]byte, 2<<20)}, Expires: t0.Add(time.Hour)}
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish of a body over the server's limit after checkpoints: %v", err)
+	}
+	got, err = s.Get(ctx, store.GetParams{Scope: "s", Key: "checkpoints", Now: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.State != idem.StateCompleted || !got.Response.Equal(p.Response.WithoutBody()) || len(got.Checkpoints) != 3 {
+		t.Fatalf("after Finish: %v, body omitted %v, %d checkpoints; want completed with the body omitted and 3 checkpoints",
+			got.State, got.Response != nil && got.Response.BodyOmitted, len(got.Checkpoints))
+	}
+	p.Repeat = true
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("the Finish repeated: %v, want it to land", err)
+	}
 }
 
 // TestCheckpointsTakeBodyRoom: checkpoints, each within its limits, may
 // grow a record past the reserve; a completion whose body is under MaxBody
-// but no longer fits beside them is stored with the body omitted rather
-// than refused (which would lose an outcome the client saw), and a repeat
-// of that Finish lands while another does not.
+// but no longer fits beside them is stored without the checkpoints, its
+// body whole, rather than refused (which would lose an outcome the client
+// saw), and a repeat of that Finish lands while another does not.
 func TestCheckpointsTakeBodyRoom(t *testing.T) {
 	t.Parallel()
 	s := newTestStore(t, testClient(t), Config{})
@@ -902,9 +930,12 @@ func TestCheckpointsTakeBodyRoom(t *testing.T) {
 		t.Fatalf("Finish of a body under MaxBody after 20 checkpoints: %v", err)
 	}
 	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
-	if err != nil || got.State != idem.StateCompleted || !got.Response.BodyOmitted || got.Response.Body != nil ||
-		got.Response.Status != 201 || got.Response.Header.Get("Content-Type") != "application/json" || len(got.Checkpoints) != 20 {
-		t.Fatalf("after Finish: %+v, %d checkpoints, %v; want completed with the body omitted", got.Response, len(got.Checkpoints), err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.State != idem.StateCompleted || !got.Response.Equal(resp) || len(got.Checkpoints) != 0 {
+		t.Fatalf("after Finish: %v, body omitted %v, %d checkpoints; want completed with the body whole and no checkpoints",
+			got.State, got.Response != nil && got.Response.BodyOmitted, len(got.Checkpoints))
 	}
 	p.Repeat = true
 	if err := s.Finish(ctx, p); err != nil {
@@ -945,6 +976,118 @@ func TestCheckpointsLeaveRoomForOutcome(t *testing.T) {
 	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "k", Now: t0})
 	if err != nil || got.State != idem.StateCompleted || got.Response.Header.Get("X-Trace") != resp.Header.Get("X-Trace") {
 		t.Fatalf("after Finish: %v; want the record completed with its headers", err)
+	}
+}
+
+// fillCheckpoints records checkpoints of the largest data on the lease of r
+// until the store refuses one (ErrInvalid: the item keeps 16 KiB for the
+// outcome), at most limit of them, and returns how many it took.
+func fillCheckpoints(t *testing.T, s *Store, r idem.Record, limit int) int {
+	t.Helper()
+	data := bytes.Repeat([]byte("x"), store.MaxCheckpointData)
+	for n := 0; n < limit; n++ {
+		err := s.Checkpoint(context.Background(), store.CheckpointParams{Scope: r.Scope, Key: r.Key, Token: r.Token, Now: t0, Name: fmt.Sprintf("call-%d", n), Data: data})
+		if errors.Is(err, idem.ErrInvalid) && n > 0 {
+			return n
+		}
+		if err != nil || n > 1000 {
+			t.Fatalf("checkpoint %d: %v", n, err)
+		}
+	}
+	return limit
+}
+
+// TestOutcomeKeptAfterCheckpointsFillTheItem: a handler that recorded
+// checkpoints until the store took no more, then answered with headers over
+// the 16 KiB the item keeps for them, has had its side effect; its outcome
+// is stored, whole, in place of the checkpoints (recovery points a settled
+// record no longer needs), rather than refused and lost (the record left
+// IN_PROGRESS, later UNKNOWN). A retry replays it, and the owner's repeat of
+// its Finish lands. (The smallest item keeps the test quick: with 1 MiB it
+// is 186 checkpoints, and the same failure.)
+func TestOutcomeKeptAfterCheckpointsFillTheItem(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, testClient(t), Config{MaxItem: MinMaxItem})
+	ctx := context.Background()
+	r := testkit.Acquire(t, s, "s", "cps", t0, time.Hour)
+	n := fillCheckpoints(t, s, r, math.MaxInt)
+	resp := &idem.Response{Status: 200, Header: http.Header{"Content-Security-Policy": {strings.Repeat("a", 20<<10)}}, Body: []byte("ok")}
+	p := store.FinishParams{Scope: "s", Key: "cps", Token: r.Token, Now: t0, State: idem.StateCompleted, Response: resp, Expires: t0.Add(time.Hour)}
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("Finish with 20 KiB of headers after %d checkpoints: %v", n, err)
+	}
+	got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: "cps", Now: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.State != idem.StateCompleted || !got.Response.Equal(resp) || len(got.Checkpoints) != 0 {
+		t.Fatalf("after Finish: %v, %d checkpoints; want completed with the response whole and no checkpoints", got.State, len(got.Checkpoints))
+	}
+	replay, err := s.Acquire(ctx, store.AcquireParams{Scope: "s", Key: "cps", Fingerprint: testkit.Fingerprint("a"), Token: strings.Repeat("b", 32),
+		Now: t0, LeaseExpires: t0.Add(time.Minute)})
+	if err != nil || replay.State != idem.StateCompleted || replay.Token != r.Token || !replay.Response.Equal(resp) {
+		t.Fatalf("a retry's Acquire: %v, %v; want the completed record, to replay", replay.State, err)
+	}
+	p.Repeat = true
+	if err := s.Finish(ctx, p); err != nil {
+		t.Fatalf("the owner's repeat of that Finish: %v, want it to land", err)
+	}
+	p.Repeat = false
+	if err := s.Finish(ctx, p); !errors.Is(err, idem.ErrLeaseLost) {
+		t.Fatalf("the Finish sent again, not as a repeat: %v, want ErrLeaseLost", err)
+	}
+}
+
+// TestOutcomeFormThatFits: a completion that does not fit in the item is
+// stored in the most useful form that does: without its checkpoints, so
+// that a replay still sends the body; else with its body omitted and its
+// checkpoints kept; else without either. The owner's repeat of each stored
+// Finish lands.
+func TestOutcomeFormThatFits(t *testing.T) {
+	t.Parallel()
+	s := newTestStore(t, testClient(t), Config{MaxItem: MinMaxItem})
+	ctx := context.Background()
+	for _, c := range []struct {
+		name        string
+		checkpoints int // at most, up to the store's refusal
+		header      int
+		body        int
+		keepBody    bool
+		keepCps     bool
+	}{
+		{"fits", 2, 1 << 10, s.MaxBody() - 2<<10, true, true},
+		{"checkpoints dropped", 8, 40 << 10, s.MaxBody(), true, false},
+		{"body omitted", 4, 70 << 10, s.MaxBody(), false, true},
+		{"both", math.MaxInt, 70 << 10, s.MaxBody(), false, false},
+	} {
+		r := testkit.Acquire(t, s, "s", c.name, t0, time.Hour)
+		n := fillCheckpoints(t, s, r, c.checkpoints)
+		resp := &idem.Response{Status: 201, Header: http.Header{"X-Big": {strings.Repeat("h", c.header)}}, Body: bytes.Repeat([]byte("b"), c.body)}
+		p := store.FinishParams{Scope: "s", Key: c.name, Token: r.Token, Now: t0, State: idem.StateCompleted, Response: resp, Expires: t0.Add(time.Hour)}
+		if err := s.Finish(ctx, p); err != nil {
+			t.Errorf("%s: Finish after %d checkpoints: %v", c.name, n, err)
+			continue
+		}
+		want, wantCps := resp, 0
+		if !c.keepBody {
+			want = resp.WithoutBody()
+		}
+		if c.keepCps {
+			wantCps = n
+		}
+		got, err := s.Get(ctx, store.GetParams{Scope: "s", Key: c.name, Now: t0})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.State != idem.StateCompleted || !got.Response.Equal(want) || len(got.Checkpoints) != wantCps {
+			t.Errorf("%s: stored %v, body omitted %v, %d of %d checkpoints; want completed, body kept %v, checkpoints kept %v",
+				c.name, got.State, got.Response != nil && got.Response.BodyOmitted, len(got.Checkpoints), n, c.keepBody, c.keepCps)
+			continue
+		}
+		p.Repeat = true
+		if err := s.Finish(ctx, p); err != nil {
+			t.Errorf("%s: the owner's repeat of that Finish: %v, want it to land", c.name, err)
+		}
 	}
 }
 
