@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // Store keeps records. Implementations must make each method atomic with
@@ -495,8 +496,17 @@ type responseJSON struct {
 }
 
 // MarshalBinary encodes r for storage, in a versioned self-describing form.
-// Stores that keep the response as one value use it.
+// Stores that keep the response as one value use it. The form is JSON
+// (which release 0.1.0 reads), but for a response with a header name or
+// value that is no UTF-8 (HTTP allows any byte in a value: a Latin-1 file
+// name), which JSON would change: that one is encoded as [MarshalCompact]
+// encodes it, byte for byte.
 func (r *Response) MarshalBinary() ([]byte, error) {
+	for name, values := range r.Header {
+		if !utf8.ValidString(name) || slices.ContainsFunc(values, func(v string) bool { return !utf8.ValidString(v) }) {
+			return r.MarshalCompact()
+		}
+	}
 	return json.Marshal(responseJSON{V: responseVersion, Status: r.Status, Header: r.Header, Body: r.Body, BodyOmitted: r.BodyOmitted})
 }
 

@@ -51,8 +51,11 @@ type meta struct {
 	Updated     int64       `json:"updated"`
 	Expires     int64       `json:"exp,omitempty"`
 	// Response is the response's MarshalBinary without its body, which
-	// follows the JSON line raw.
-	Response json.RawMessage `json:"resp,omitempty"`
+	// follows the JSON line raw; RawResponse is the same when it is not
+	// JSON (a header that is no UTF-8: MarshalBinary's compact form), in
+	// base64.
+	Response    json.RawMessage `json:"resp,omitempty"`
+	RawResponse []byte          `json:"respb,omitempty"`
 	// Body is true when the response has a body after the JSON line.
 	Body bool `json:"body,omitempty"`
 	// Checkpoints are the store.EncodeCheckpoints lines.
@@ -89,7 +92,12 @@ func encode(r *store.Record) ([]byte, error) {
 		if err != nil {
 			return nil, fmt.Errorf("encoding the response: %w", err)
 		}
-		m.Response, m.Body = b, len(body) > 0
+		if json.Valid(b) {
+			m.Response = b
+		} else {
+			m.RawResponse = b
+		}
+		m.Body = len(body) > 0
 	}
 	var buf bytes.Buffer
 	buf.Grow(512 + len(body) + len(m.Checkpoints))
@@ -146,6 +154,9 @@ func decode(v []byte, want bool, scope, key, h string) (store.Record, error) {
 	}
 	if m.Expires != 0 {
 		r.Expires = at(m.Expires)
+	}
+	if m.RawResponse != nil {
+		m.Response = m.RawResponse
 	}
 	switch {
 	case m.Response != nil:

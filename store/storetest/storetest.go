@@ -564,7 +564,10 @@ func testRepeatedAcquireKeepsLease(t *testing.T, h *harness) {
 // succeed.
 func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 	finish := h.finishParams
-	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204}}
+	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204},
+		// HTTP allows any byte in a header value (a Latin-1 file name):
+		// one that is no UTF-8 is kept as it is, and its repeat lands.
+		"latin-1 header": {Status: 200, Header: http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.pdf\""}}, Body: []byte("%PDF")}}
 	if limit := store.MaxBody(h.store); limit < 8<<20 {
 		bodies["over the store's limit"] = &idem.Response{Status: 201, Body: bytes.Repeat([]byte("x"), limit+1)}
 	}
@@ -832,6 +835,7 @@ func testReplayIsByteIdentical(t *testing.T, h *harness) {
 		{Status: 200, Header: http.Header{"Content-Type": {"text/plain; charset=utf-8"}}, Body: large},
 		{Status: 202, Body: []byte("héllo wörld \u2603")},
 		{Status: 200, Header: http.Header{"Content-Type": {"text/event-stream"}}, BodyOmitted: true},
+		{Status: 200, Header: http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.pdf\"", "\xff\xfe"}}, Body: []byte("%PDF")},
 	}
 	// A store with a body limit keeps bodies up to it byte for byte, and
 	// an outcome with a larger body with the body omitted, never an error.
