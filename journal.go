@@ -45,13 +45,18 @@ type journal struct {
 	quiet chan struct{}
 }
 
-// journalVersion is the version of the entry encoding.
-const journalVersion = 1
+// journalVersion is the version of the entry encoding: 2 keeps the
+// response in Response, byte for byte (version 1, which this build reads
+// too, kept it in Params as JSON, which changes a header that is no UTF-8).
+const journalVersion = 2
 
 type journalEntry struct {
 	V           int          `json:"v"`
 	Params      FinishParams `json:"params"`
 	Fingerprint Fingerprint  `json:"fingerprint"`
+	// Response is Params.Response as [Response.MarshalCompact] encodes it
+	// (Params.Response is then nil in the file).
+	Response []byte `json:"response,omitempty"`
 	// Until is, for the release of an acquire whose answer was lost, when
 	// that acquire's lease would have ended. The acquire may still land
 	// (its statement held up in the store), so a release that finds no
@@ -106,7 +111,13 @@ func openJournal(e *Engine, dir string) (*journal, error) {
 			return nil, fmt.Errorf("idem: journal: %w", err)
 		}
 		var ent journalEntry
-		if err := json.Unmarshal(data, &ent); err != nil || ent.V != journalVersion {
+		err = json.Unmarshal(data, &ent)
+		if err == nil && ent.Response != nil {
+			ent.Params.Response = new(Response)
+			err = ent.Params.Response.UnmarshalBinary(ent.Response)
+			ent.Response = nil
+		}
+		if err != nil || (ent.V != journalVersion && ent.V != 1) {
 			e.log.Error("idem journal: an entry cannot be read; it is left in place for an operator",
 				"file", path, "err", err, "version", ent.V)
 			continue
@@ -189,7 +200,15 @@ func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
 // write puts ent in its file: a temporary file, synced, renamed into place,
 // and the directory synced, so that a crash leaves either nothing or all of it.
 func (j *journal) write(ent *journalEntry) error {
-	data, err := json.Marshal(ent)
+	file := *ent
+	if r := ent.Params.Response; r != nil {
+		var err error
+		if file.Response, err = r.MarshalCompact(); err != nil {
+			return err
+		}
+		file.Params.Response = nil
+	}
+	data, err := json.Marshal(&file)
 	if err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
@@ -247,5 +249,73 @@ func TestUnwritableJournalIsRefused(t *testing.T) {
 	_, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: "/proc/self"})
 	if err == nil {
 		t.Fatal("New accepted a journal directory that cannot be written")
+	}
+}
+
+// TestJournalKeepsHeadersByteForByte: an outcome that waits in the journal
+// across a restart is stored as the handler gave it, a header that is no
+// UTF-8 (a Latin-1 file name, which HTTP allows) included. (The journal's
+// JSON changed it to U+FFFD, and every replay sent the changed header.)
+func TestJournalKeepsHeadersByteForByte(t *testing.T) {
+	dir, st := t.TempDir(), memstore.New()
+	a, err := idem.New(idem.Config{Store: finishDownStore{st}, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := a.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const cd = "attachment; filename=\"caf\xe9.pdf\""
+	if err := a.Complete(ctx, out.Lease, &idem.Response{Status: 200, Header: http.Header{"Content-Disposition": {cd}}, Body: []byte("%PDF")}); err != nil {
+		t.Fatal(err)
+	}
+	stop, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	a.Close(stop) // the store is still away: the entry stays in the directory
+	cancel()
+	b, err := idem.New(idem.Config{Store: st, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close(ctx)
+	wait.Until(t, 10*time.Second, "the journal to land", func() bool { return b.Pending() == 0 })
+	o, err := b.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || o.Decision != idem.Replay {
+		t.Fatalf("%v, %v; want a replay", o.Decision, err)
+	}
+	if got := o.Record.Response.Header.Get("Content-Disposition"); got != cd {
+		t.Fatalf("the replay says Content-Disposition %q; the first answer said %q", got, cd)
+	}
+}
+
+// TestJournalReadsVersionOne: an entry that release 0.1.0 journaled (its
+// response inside the params, as JSON) is read and stored after an
+// upgrade.
+func TestJournalReadsVersionOne(t *testing.T) {
+	dir, st := t.TempDir(), memstore.New()
+	l := testkit.Acquire(t, st, "", "k", time.Now(), time.Minute)
+	now := time.Now()
+	p := store.FinishParams{Key: "k", Token: l.Token, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour), Repeat: true,
+		Response: &idem.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":"ch_1"}`)}}
+	data, err := json.Marshal(struct {
+		V           int                `json:"v"`
+		Params      store.FinishParams `json:"params"`
+		Fingerprint idem.Fingerprint   `json:"fingerprint"`
+	}{1, p, l.Fingerprint})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "entry-1.json"), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e, err := idem.New(idem.Config{Store: st, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close(ctx)
+	wait.Until(t, 10*time.Second, "the journal to land", func() bool { return e.Pending() == 0 })
+	rec, err := st.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
+	if err != nil || rec.State != idem.StateCompleted || string(rec.Response.Body) != `{"id":"ch_1"}` || rec.Response.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("after the version-1 entry landed: %+v, %v", rec, err)
 	}
 }
