@@ -103,12 +103,11 @@ func loadProxyConfig(args []string, env Env, stdout, stderr io.Writer) (proxy.Co
 	var replaced []setting
 	for i, s := range settings {
 		if v := env(s.env); v != "" {
-			file := reflect.ValueOf(s.field(&cfg).Interface())
+			file := s.field(&cfg).Interface()
 			if err := s.set(&cfg, v, true); err != nil {
 				return cfg, nil, fmt.Errorf("$%s: %w", s.env, err)
 			}
-			if !reflect.DeepEqual(file.Interface(), s.field(&defaults).Interface()) &&
-				!reflect.DeepEqual(file.Interface(), s.field(&cfg).Interface()) {
+			if routes.set[s.yaml] && !reflect.DeepEqual(file, s.field(&cfg).Interface()) {
 				replaced = append(replaced, s)
 			}
 		}
@@ -237,7 +236,7 @@ func runProxy(ctx context.Context, args []string, env Env, stdout, stderr io.Wri
 // engine and its telemetry's counters; auditPath "" keeps the audit log in
 // memory.
 func newConsole(eng *idem.Engine, tel *telemetry.Telemetry, cfg console.Config, auditPath string, log *slog.Logger) (*console.Console, error) {
-	audit, err := console.OpenAudit(auditPath)
+	audit, err := console.OpenAudit(auditPath, !cfg.ReadOnly)
 	if err != nil {
 		return nil, err
 	}

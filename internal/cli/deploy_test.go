@@ -165,10 +165,11 @@ func imageEnv(t *testing.T) map[string]string {
 // a file, sets neither (it set both, and a file's postgres:// store was
 // replaced by the image's SQLite without a word: no idempotency across
 // replicas). What the image sets and a file says otherwise is told at
-// start.
+// start, even where the file says what the default is (a sidecar that
+// keeps to its pod's loopback, opened to the network by the image).
 func TestImageLeavesTheFileItsSettings(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "idem.yaml")
-	file := "upstream: http://127.0.0.1:9000\nstore: postgres://idem@db:5432/payments\njournal_dir: /var/lib/idem/journal\nlisten: 0.0.0.0:8443\n"
+	file := "upstream: http://127.0.0.1:9000\nstore: postgres://idem@db:5432/payments\njournal_dir: /var/lib/idem/journal\nlisten: 127.0.0.1:8080\n"
 	if err := os.WriteFile(path, []byte(file), 0o600); err != nil {
 		t.Fatal(err)
 	}

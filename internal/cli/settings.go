@@ -331,9 +331,14 @@ func (f *flagSetting) placeholder() string {
 }
 
 // fileRoutes are the routes of a configuration file, read once the
-// defaults they start from are complete: the file's, then the
-// environment's and the flags'.
-type fileRoutes struct{ node *yaml.Node }
+// defaults they start from are complete (the file's, then the
+// environment's and the flags'), and the settings the file gives.
+type fileRoutes struct {
+	node *yaml.Node
+	// set holds the settings the file gives, by their YAML path
+	// ("store_timeout", "defaults.wait").
+	set map[string]bool
+}
 
 // decodeProxyFile reads a configuration file over cfg, all but its routes,
 // which it returns to be read over the final defaults.
@@ -373,7 +378,15 @@ func decodeProxyFile(data []byte, cfg *proxy.Config) (fileRoutes, error) {
 	if routes != nil && routes.Kind != yaml.SequenceNode {
 		return fileRoutes{}, fmt.Errorf("line %d: routes must be a list", routes.Line)
 	}
-	return fileRoutes{routes}, nil
+	set := map[string]bool{}
+	for i := 0; top.Kind == yaml.MappingNode && i+1 < len(top.Content); i += 2 {
+		name, value := top.Content[i].Value, top.Content[i+1]
+		set[name] = true
+		for j := 0; name == "defaults" && value.Kind == yaml.MappingNode && j+1 < len(value.Content); j += 2 {
+			set["defaults."+value.Content[j].Value] = true
+		}
+	}
+	return fileRoutes{routes, set}, nil
 }
 
 // decode reads the routes into cfg.Routes, each over cfg.Defaults.

@@ -51,18 +51,25 @@ type Audit struct {
 // keep is how many entries the console shows.
 const keep = 200
 
-// OpenAudit opens the audit log at path, creating the file if need be, and
-// reads the entries it already holds; an empty path keeps the log in memory
-// only. A file that cannot be appended to is refused, so that no action
-// runs unaudited. A line that does not parse (an append that a crash or a
-// full disk cut short) is left as it is and passed over: see
-// [Audit.Unreadable].
-func OpenAudit(path string) (*Audit, error) {
+// OpenAudit opens the audit log at path and reads the entries it already
+// holds; an empty path keeps the log in memory only. For a console that
+// acts (write), the file is created if need be, and one that cannot be
+// appended to is refused, so that no action runs unaudited; for a
+// read-only console, a file that does not exist is an empty log. A line
+// that does not parse (an append that a crash or a full disk cut short) is
+// left as it is and passed over: see [Audit.Unreadable].
+func OpenAudit(path string, write bool) (*Audit, error) {
 	a := &Audit{path: path}
 	if path == "" {
 		return a, nil
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_APPEND|os.O_CREATE, 0o600)
+	var f *os.File
+	var err error
+	if write {
+		f, err = os.OpenFile(path, os.O_RDWR|os.O_APPEND|os.O_CREATE, 0o600)
+	} else if f, err = os.Open(path); os.IsNotExist(err) {
+		return a, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("audit log: %w", err)
 	}

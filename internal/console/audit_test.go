@@ -13,11 +13,16 @@ import (
 // TestAuditLogThatCannotBeWrittenIsRefused: an audit log in a directory
 // that does not exist is refused when it is opened, at start, so that no
 // console action runs and then fails to be audited. (It was accepted: every
-// action ran, and its audit failed.)
+// action ran, and its audit failed.) A read-only console, which writes
+// nothing, starts all the same.
 func TestAuditLogThatCannotBeWrittenIsRefused(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "no-such-dir", "audit.log")
-	if _, err := console.OpenAudit(path); err == nil {
+	if _, err := console.OpenAudit(path, true); err == nil {
 		t.Fatalf("OpenAudit(%s) accepted a file it cannot write", path)
+	}
+	// A read-only console writes nothing: it starts with an empty log.
+	if a, err := console.OpenAudit(path, false); err != nil || len(a.Recent()) != 0 {
+		t.Fatalf("OpenAudit(%s) for a read-only console: %v", path, err)
 	}
 }
 
@@ -27,7 +32,7 @@ func TestAuditLogThatCannotBeWrittenIsRefused(t *testing.T) {
 // entry is a line of its own, which a later start reads.
 func TestAuditLogWithATornLine(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "audit.log")
-	a, err := console.OpenAudit(path)
+	a, err := console.OpenAudit(path, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,7 +46,7 @@ func TestAuditLogWithATornLine(t *testing.T) {
 	f.WriteString(`{"at":"2026-12-01T10:05:00Z","who":"bo`) // the next append, torn
 	f.Close()
 	for _, who := range []string{"cy", "di"} {
-		if a, err = console.OpenAudit(path); err != nil {
+		if a, err = console.OpenAudit(path, true); err != nil {
 			t.Fatalf("reopening an audit log with a line cut short: %v", err)
 		}
 		if got := a.Unreadable(); len(got) != 1 || got[0] != 2 {
@@ -51,7 +56,7 @@ func TestAuditLogWithATornLine(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	a, err = console.OpenAudit(path)
+	a, err = console.OpenAudit(path, true)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -53,7 +53,7 @@ func newWorld(t *testing.T, cfg console.Config) *world {
 	t.Cleanup(func() { eng.Close(context.Background()) })
 	w := &world{eng: eng, clock: clock, audit: filepath.Join(t.TempDir(), "audit.log")}
 	if cfg.Audit == nil {
-		if cfg.Audit, err = console.OpenAudit(w.audit); err != nil {
+		if cfg.Audit, err = console.OpenAudit(w.audit, true); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -286,7 +286,7 @@ func TestResolveCompleted(t *testing.T) {
 		t.Errorf("the audit page does not show the action:\n%s", body)
 	}
 	// The log survives a restart of the console.
-	a, err := console.OpenAudit(w.audit)
+	a, err := console.OpenAudit(w.audit, true)
 	if err != nil || len(a.Recent()) != 1 || a.Recent()[0].Who != "ana" {
 		t.Errorf("reopened audit log: %+v, %v", a.Recent(), err)
 	}
@@ -584,7 +584,7 @@ func TestLostAnswerIsNotNothingChanged(t *testing.T) {
 		t.Fatal(err)
 	}
 	audit := filepath.Join(t.TempDir(), "audit.log")
-	a, err := console.OpenAudit(audit)
+	a, err := console.OpenAudit(audit, true)
 	if err != nil {
 		t.Fatal(err)
 	}
