@@ -573,7 +573,11 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 //
 // [store.ErrLeaseLost] means the lease no longer owns the record: the caller
 // must roll tx back, since a newer owner's outcome stands. Any other error
-// also leaves tx unusable (PostgreSQL aborts the transaction).
+// also leaves tx unusable (PostgreSQL aborts the transaction). Use READ
+// COMMITTED, PostgreSQL's default: under REPEATABLE READ or SERIALIZABLE,
+// a write of the lease's own after tx's snapshot (a checkpoint, a renewal
+// by [idem.Engine.Hold]) makes FinishTx fail with a serialization error,
+// reported as [store.ErrUnavailable]; take checkpoints before tx begins.
 //
 //	tx, err := pool.Begin(ctx)
 //	if err != nil {
@@ -583,9 +587,9 @@ func (s *Store) Finish(ctx context.Context, p store.FinishParams) error {
 //	if _, err := tx.Exec(ctx, "INSERT INTO ledger (account, amount) VALUES ($1, $2)", acct, amount); err != nil {
 //		return err
 //	}
-//	return eng.Settle(ctx, lease, store.Settlement{State: store.StateCompleted, Response: resp,
-//		Commit: func(ctx context.Context, p store.FinishParams) error {
-//			if err := store.FinishTx(ctx, tx, p); err != nil {
+//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//			if err := records.FinishTx(ctx, tx, p); err != nil { // records: this *Store
 //				return err // ErrLeaseLost: the deferred Rollback undoes the ledger write
 //			}
 //			return tx.Commit(ctx)

@@ -404,14 +404,17 @@ func (s *Store) settle(ctx context.Context, in *txn, p store.FinishParams) (bool
 // FinishTx settles a record inside the caller's transaction tx, which must be
 // on [Store.DB]: the record's outcome and the caller's own writes commit
 // together, or neither does. On [store.ErrLeaseLost] the caller must roll tx
-// back, since another owner has the record.
+// back, since another owner has the record. While tx is open it holds the
+// database's one write lock, and every write of the store waits for it
+// (up to the store timeout): make no other idem write for the request
+// meanwhile (take checkpoints before tx begins), and keep tx short.
 //
-//	tx, _ := store.DB().BeginTx(ctx, nil)
+//	tx, _ := records.DB().BeginTx(ctx, nil) // records: this *Store
 //	defer tx.Rollback()
 //	tx.ExecContext(ctx, `INSERT INTO ledger ...`)
-//	return eng.Settle(ctx, lease, store.Settlement{State: store.StateCompleted, Response: resp,
-//		Commit: func(ctx context.Context, p store.FinishParams) error {
-//			if err := store.FinishTx(ctx, tx, p); err != nil {
+//	return eng.Settle(ctx, lease, idem.Settlement{State: idem.StateCompleted, Response: resp,
+//		Commit: func(ctx context.Context, p idem.FinishParams) error {
+//			if err := records.FinishTx(ctx, tx, p); err != nil {
 //				return err // rolled back: nothing happened
 //			}
 //			return tx.Commit()
