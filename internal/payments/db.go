@@ -59,7 +59,7 @@ func NewDB(s idem.Store) (DB, error) {
 		case *sqlitestore.Store:
 			return sqliteDB{db: db.DB(), fin: fin}, nil
 		case *pgstore.Store:
-			return pgDB{pool: db.Pool(), fin: fin}, nil
+			return pgDB{pool: db.Pool(), fin: fin, schema: pgx.Identifier{db.Schema()}.Sanitize() + "."}, nil
 		}
 	}
 	return nil, fmt.Errorf("payments: the ledger needs a SQLite or PostgreSQL store, not %T", s)
@@ -98,11 +98,11 @@ func (d sqliteDB) InTx(ctx context.Context, fn func(Tx) error) error {
 }
 
 func (d sqliteDB) QueryRow(ctx context.Context, q string, args ...any) Row {
-	return sqlRow{d.db.QueryRowContext(ctx, q, args...)}
+	return sqlRow{d.db.QueryRowContext(ctx, inSchema(q, ""), args...)}
 }
 
 func (d sqliteDB) Query(ctx context.Context, q string, each func(func(...any) error) error, args ...any) error {
-	rows, err := d.db.QueryContext(ctx, q, args...)
+	rows, err := d.db.QueryContext(ctx, inSchema(q, ""), args...)
 	if err != nil {
 		return err
 	}
@@ -125,12 +125,12 @@ func eachRow(rows interface {
 }
 
 func (d sqliteDB) Exec(ctx context.Context, q string, args ...any) error {
-	_, err := d.db.ExecContext(ctx, q, args...)
+	_, err := d.db.ExecContext(ctx, inSchema(q, ""), args...)
 	return err
 }
 
 func (t sqliteTx) Exec(ctx context.Context, q string, args ...any) error {
-	_, err := t.tx.ExecContext(ctx, q, args...)
+	_, err := t.tx.ExecContext(ctx, inSchema(q, ""), args...)
 	return err
 }
 
@@ -138,14 +138,19 @@ func (t sqliteTx) Finish(ctx context.Context, p idem.FinishParams) error {
 	return t.fin.FinishTx(ctx, t.tx, p)
 }
 
+// pgDB keeps the ledger's tables in the records' schema (a demo in a
+// schema of its own has a ledger of its own, and dropping the schema
+// drops both).
 type pgDB struct {
-	pool *pgxpool.Pool
-	fin  store.TxFinisher
+	pool   *pgxpool.Pool
+	fin    store.TxFinisher
+	schema string // quoted, with its dot
 }
 
 type pgTx struct {
-	fin store.TxFinisher
-	tx  pgx.Tx
+	fin    store.TxFinisher
+	tx     pgx.Tx
+	schema string
 }
 
 type pgRow struct{ pgx.Row }
@@ -158,8 +163,14 @@ func (r pgRow) Scan(dest ...any) error {
 	}
 }
 
-// rebind turns ? placeholders into PostgreSQL's $1, $2, ….
-func rebind(q string) string {
+// inSchema puts the tables that q names as {{s}}table in schema: "" (the
+// database's own, on SQLite) or a quoted schema and its dot.
+func inSchema(q, schema string) string { return strings.ReplaceAll(q, "{{s}}", schema) }
+
+// rebind turns ? placeholders into PostgreSQL's $1, $2, … (and puts the
+// tables in schema, see [inSchema]).
+func rebind(q, schema string) string {
+	q = inSchema(q, schema)
 	var b strings.Builder
 	n := 0
 	for _, c := range q {
@@ -179,18 +190,18 @@ func (d pgDB) InTx(ctx context.Context, fn func(Tx) error) error {
 		return err
 	}
 	defer tx.Rollback(ctx)
-	if err := fn(pgTx{d.fin, tx}); err != nil {
+	if err := fn(pgTx{d.fin, tx, d.schema}); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
 }
 
 func (d pgDB) QueryRow(ctx context.Context, q string, args ...any) Row {
-	return pgRow{d.pool.QueryRow(ctx, rebind(q), args...)}
+	return pgRow{d.pool.QueryRow(ctx, rebind(q, d.schema), args...)}
 }
 
 func (d pgDB) Query(ctx context.Context, q string, each func(func(...any) error) error, args ...any) error {
-	rows, err := d.pool.Query(ctx, rebind(q), args...)
+	rows, err := d.pool.Query(ctx, rebind(q, d.schema), args...)
 	if err != nil {
 		return err
 	}
@@ -199,12 +210,12 @@ func (d pgDB) Query(ctx context.Context, q string, each func(func(...any) error)
 }
 
 func (d pgDB) Exec(ctx context.Context, q string, args ...any) error {
-	_, err := d.pool.Exec(ctx, rebind(q), args...)
+	_, err := d.pool.Exec(ctx, rebind(q, d.schema), args...)
 	return err
 }
 
 func (t pgTx) Exec(ctx context.Context, q string, args ...any) error {
-	_, err := t.tx.Exec(ctx, rebind(q), args...)
+	_, err := t.tx.Exec(ctx, rebind(q, t.schema), args...)
 	return err
 }
 

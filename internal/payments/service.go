@@ -83,14 +83,14 @@ func New(cfg Config) (*Service, error) {
 // must be prevented by idem, and the audit must be able to see one if it
 // ever happened.
 var schema = []string{
-	`CREATE TABLE IF NOT EXISTS payments_charges (
+	`CREATE TABLE IF NOT EXISTS {{s}}payments_charges (
 		id TEXT PRIMARY KEY, idem_scope TEXT NOT NULL, idem_key TEXT NOT NULL, customer TEXT NOT NULL,
 		amount BIGINT NOT NULL, currency TEXT NOT NULL, status TEXT NOT NULL, acquirer_payment TEXT NOT NULL,
 		created BIGINT NOT NULL)`,
-	`CREATE TABLE IF NOT EXISTS payments_ledger (
+	`CREATE TABLE IF NOT EXISTS {{s}}payments_ledger (
 		id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount BIGINT NOT NULL, charge_id TEXT NOT NULL,
 		idem_scope TEXT NOT NULL, idem_key TEXT NOT NULL, created BIGINT NOT NULL)`,
-	`CREATE INDEX IF NOT EXISTS payments_ledger_customer ON payments_ledger (customer)`,
+	`CREATE INDEX IF NOT EXISTS payments_ledger_customer ON {{s}}payments_ledger (customer)`,
 }
 
 // Migrate creates the service's tables.
@@ -281,7 +281,7 @@ func chargeResponse(c Charge) *idem.Response {
 func (s *Service) record(ctx context.Context, c Charge, scope, key string, p idem.FinishParams) error {
 	now := time.Now().UnixMilli()
 	return s.cfg.DB.InTx(ctx, func(tx Tx) error {
-		if err := tx.Exec(ctx, `INSERT INTO payments_charges (id, idem_scope, idem_key, customer, amount, currency, status, acquirer_payment, created)
+		if err := tx.Exec(ctx, `INSERT INTO {{s}}payments_charges (id, idem_scope, idem_key, customer, amount, currency, status, acquirer_payment, created)
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)`, c.ID, scope, key, c.Customer, c.Amount, c.Currency, c.Status, c.AcquirerPayment, now); err != nil {
 			return err
 		}
@@ -291,7 +291,7 @@ func (s *Service) record(ctx context.Context, c Charge, scope, key string, p ide
 			if err != nil {
 				return err
 			}
-			if err := tx.Exec(ctx, `INSERT INTO payments_ledger (id, customer, amount, charge_id, idem_scope, idem_key, created)
+			if err := tx.Exec(ctx, `INSERT INTO {{s}}payments_ledger (id, customer, amount, charge_id, idem_scope, idem_key, created)
 				VALUES (?, ?, ?, ?, ?, ?, ?)`, "le_"+id, c.Customer, -c.Amount, c.ID, scope, key, now); err != nil {
 				return err
 			}
@@ -381,7 +381,7 @@ func (s *Service) Resolve(ctx context.Context, rec idem.Record) (reconcile.Resol
 
 func (s *Service) getCharge(w http.ResponseWriter, r *http.Request) {
 	var c Charge
-	err := s.cfg.DB.QueryRow(r.Context(), `SELECT id, amount, currency, customer, status, acquirer_payment FROM payments_charges WHERE id = ?`,
+	err := s.cfg.DB.QueryRow(r.Context(), `SELECT id, amount, currency, customer, status, acquirer_payment FROM {{s}}payments_charges WHERE id = ?`,
 		r.PathValue("id")).Scan(&c.ID, &c.Amount, &c.Currency, &c.Customer, &c.Status, &c.AcquirerPayment)
 	switch {
 	case errors.Is(err, errNoRows):
@@ -400,8 +400,8 @@ func (s *Service) getCharge(w http.ResponseWriter, r *http.Request) {
 func (s *Service) getBalance(w http.ResponseWriter, r *http.Request) {
 	balances := map[string]int64{}
 	var debits int64
-	err := s.cfg.DB.Query(r.Context(), `SELECT c.currency, SUM(l.amount), COUNT(*) FROM payments_ledger l
-		JOIN payments_charges c ON c.id = l.charge_id WHERE l.customer = ? GROUP BY c.currency`,
+	err := s.cfg.DB.Query(r.Context(), `SELECT c.currency, SUM(l.amount), COUNT(*) FROM {{s}}payments_ledger l
+		JOIN {{s}}payments_charges c ON c.id = l.charge_id WHERE l.customer = ? GROUP BY c.currency`,
 		func(scan func(...any) error) error {
 			var currency string
 			var sum, n int64

@@ -2,7 +2,9 @@ package payments_test
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -12,9 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/payments"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/reconcile"
+	"github.com/idemhq/idem/store/pgstore"
 	"github.com/idemhq/idem/store/sqlitestore"
 	"github.com/idemhq/idem/store/storetest"
 	"github.com/idemhq/idem/verify"
@@ -38,6 +45,12 @@ func newFixture(t *testing.T) *fixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { store.Close() })
+	return newFixtureOn(t, store)
+}
+
+// newFixtureOn is newFixture on a store of the caller's.
+func newFixtureOn(t *testing.T, store idem.Store) *fixture {
+	t.Helper()
 	clock := storetest.NewClock(time.Now())
 	eng, _ := idem.New(idem.Config{Store: store, Clock: clock})
 	acq := payments.NewAcquirer(false, 1)
@@ -360,3 +373,43 @@ func TestVerifyPassesAgainstTheService(t *testing.T) {
 		})
 	}
 }
+
+// TestLedgerIsInTheRecordsSchema: on PostgreSQL the ledger's tables are in
+// the records' schema, so two services in two schemas of one database keep
+// two ledgers. (They were in public, shared: the second service's first
+// charge, whose id derives from its scope and key like the first's, failed
+// on the first's row, and its record stayed UNKNOWN for good.)
+func TestLedgerIsInTheRecordsSchema(t *testing.T) {
+	url := testkit.Server(t, "IDEM_TEST_DATABASE_URL")
+	ctx := context.Background()
+	var schemas []string
+	for i := range 2 {
+		b := make([]byte, 6)
+		rand.Read(b)
+		schema := fmt.Sprintf("idem_test_ledger_%d_%x", i, b)
+		schemas = append(schemas, schema)
+		pool, err := pgxpool.New(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+			pool.Close()
+		})
+		st, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := newFixtureOn(t, st)
+		if code, body := f.do(t, "POST", "/v1/charges", "order-1", `{"amount":1000,"currency":"eur","customer":"cus_1"}`); code != http.StatusCreated {
+			t.Fatalf("the charge of the service in schema %d: %d %v", i, code, body)
+		}
+		var n int
+		if err := st.Pool().QueryRow(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name IN ('payments_charges', 'payments_ledger')`,
+			schema).Scan(&n); err != nil || n != 2 {
+			t.Fatalf("the ledger's tables in %s: %d, %v; want both", schema, n, err)
+		}
+	}
+}
+
+func TestMain(m *testing.M) { testkit.Main(m) }

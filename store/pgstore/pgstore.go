@@ -493,6 +493,11 @@ func qualified(a, columns string) string {
 // transactions ([Store.FinishTx]).
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
+// Schema is the schema the store's tables are in, as configured (not
+// quoted): an application that keeps its own tables beside the records
+// (the ledger that [Store.FinishTx] commits with them) may put them there.
+func (s *Store) Schema() string { return s.schema }
+
 // Acquire implements [store.Store] in one statement (see the package doc).
 //
 // Under READ COMMITTED the statement reads the existing row from its snapshot,
