@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"maps"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -239,5 +240,34 @@ func TestMainUsage(t *testing.T) {
 	errOut.Reset()
 	if code := Main(context.Background(), []string{"proxy"}, envOf(nil), &out, &errOut); code != 2 || !strings.Contains(errOut.String(), "no upstream") {
 		t.Errorf("proxy without upstream: %d %q", code, errOut.String())
+	}
+}
+
+// TestPortInUseNamesTheSetting: an address already taken is named with the
+// setting that chose it (the demo has three listeners; the error said
+// "bind: address already in use" and nothing of which).
+func TestPortInUseNamesTheSetting(t *testing.T) {
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	addr := held.Addr().String()
+	dir := t.TempDir()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"proxy", "--store", "memory:", "--upstream", "http://127.0.0.1:9", "--listen", addr}, "listen (--listen, $IDEM_LISTEN)"},
+		{[]string{"proxy", "--store", "memory:", "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0", "--admin-listen", addr}, "admin_listen (--admin-listen"},
+		{[]string{"demo", "--store", "sqlite:" + filepath.Join(dir, "demo.db"), "--listen", "127.0.0.1:0", "--admin-listen", "", "--acquirer-listen", addr}, "--acquirer-listen " + addr},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		var stderr strings.Builder
+		code := Main(ctx, c.args, envOf(nil), io.Discard, &stderr)
+		cancel()
+		if code == 0 || !strings.Contains(stderr.String(), c.want) || !strings.Contains(stderr.String(), "address already in use") {
+			t.Errorf("%s with %s taken: exit %d, %q; want it named as %q", c.args[0], addr, code, stderr.String(), c.want)
+		}
 	}
 }

@@ -88,12 +88,17 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}()
 	servers := &proxy.Servers{Log: log}
 	defer func() { servers.Shutdown(stop.Begin()) }() // when it fails before Run
-	serve := func(listen func(string, http.Handler) (string, error), addr string, h http.Handler) (string, error) {
-		addr, err := listen(addr, h)
-		return "http://" + addr, err
+	// serve names the flag of an address it cannot listen on (a port in
+	// use): the demo has three.
+	serve := func(listen func(string, http.Handler) (string, error), flag, addr string, h http.Handler) (string, error) {
+		got, err := listen(addr, h)
+		if err != nil {
+			return "", fmt.Errorf("--%s %s: %w", flag, addr, err)
+		}
+		return "http://" + got, nil
 	}
 	if *acquirerURL == "" {
-		if *acquirerURL, err = serve(servers.ListenBackend, *acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
+		if *acquirerURL, err = serve(servers.ListenBackend, "acquirer-listen", *acquirerListen, payments.NewAcquirer(true, uint64(time.Now().UnixNano()))); err != nil {
 			return failed(err)
 		}
 		fmt.Fprintf(stdout, "simulated card acquirer on %s (switch faults with PUT %s/faults)\n", *acquirerURL, *acquirerURL)
@@ -115,7 +120,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 	}
 	rec.Start(ctx)
 	defer rec.Stop()
-	api, err := serve(servers.Listen, *listen, tel.Wrap(h))
+	api, err := serve(servers.Listen, "listen", *listen, tel.Wrap(h))
 	if err != nil {
 		return failed(err)
 	}
@@ -128,7 +133,7 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		}
 		health := watchHealth(ctx, eng, opened, tel, log)
 		servers.OnStop = health.SetStopping
-		url, err := serve(servers.ListenAdmin, proxy.LoopbackByDefault(*admin), proxy.Admin(health, tel.Metrics(), con))
+		url, err := serve(servers.ListenAdmin, "admin-listen", proxy.LoopbackByDefault(*admin), proxy.Admin(health, tel.Metrics(), con))
 		if err != nil {
 			return failed(err)
 		}

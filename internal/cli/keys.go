@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/console"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/reconcile"
 )
@@ -334,6 +335,10 @@ func keysPurge(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string, i
 		if err != nil || t.IsZero() {
 			return fmt.Errorf("%w: %v", errUsage, cmp.Or(err, errors.New("--before is required")))
 		}
+		if now := time.Now(); t.After(now) {
+			return fmt.Errorf("%w: --before %s is in the future: records that expire after now (%s) are still replayed, and are never purged",
+				errUsage, t.UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339))
+		}
 		progress := newProgress(fs.Output(), "purging")
 		total, err := eng.Prune(ctx, idem.PruneOptions{Before: t, Progress: progress.update})
 		progress.done()
@@ -438,6 +443,13 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		usageError(stderr, fs.Name(), message(err))
 		return 2
 	}
+	if path, missing := storeopen.Missing(store); missing && !*once {
+		// It is created, for a proxy yet to start beside it; but a
+		// reconciler started from the wrong directory would settle
+		// nothing, for good, without a word.
+		log.Warn("reconcile: there is no database at the store's path yet: a new, empty one is created, and this reconciler settles only what is stored there (is the store right?)",
+			"store", storeopen.Redact(store), "path", path)
+	}
 	opened, err := open(ctx, store)
 	if err != nil {
 		return fail(stderr, fs.Name(), err)
@@ -464,6 +476,7 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		}
 		return 0
 	}
+	log.Info("reconcile: started", "store", storeopen.Redact(store), "resolver", redact.URL(*url), "interval", *every)
 	r.Start(ctx)
 	<-ctx.Done()
 	r.Stop()

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net/http"
 	"net/http/httptest"
@@ -190,6 +191,10 @@ func TestKeysCommands(t *testing.T) {
 	if code, _, _ := run(t, "keys", "purge", "--store", dsn); code == 0 {
 		t.Fatal("purge without --before accepted")
 	}
+	// It said "after 0: idem: invalid input: cannot prune records expiring after now".
+	if code, _, errOut := run(t, "keys", "purge", "--store", dsn, "--before", "2999-01-01T00:00:00Z"); code != 2 || !strings.Contains(errOut, "--before 2999-01-01T00:00:00Z is in the future") {
+		t.Fatalf("purge --before in the future: %d %q; want exit 2 naming --before", code, errOut)
+	}
 }
 
 func TestReconcileCommand(t *testing.T) {
@@ -228,6 +233,19 @@ func TestReconcileCommand(t *testing.T) {
 	}
 	if _, err := os.Stat(missing); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("reconcile --once created %s: %v", missing, err)
+	}
+
+	// A long-running reconciler creates the database (a proxy beside it may
+	// have yet to start), but says so, with the path made absolute: one
+	// started from the wrong directory settled nothing, for good, and
+	// printed nothing at all.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w := &untilWriter{want: "reconcile: started", seen: cancel}
+	missing = filepath.Join(t.TempDir(), "idme.db")
+	if code := cli.Main(ctx, []string{"reconcile", "--store", "sqlite:" + missing, "--resolver-url", resolver.URL}, noEnv, io.Discard, w); code != 0 ||
+		!strings.Contains(w.String(), "there is no database at the store's path yet") || !strings.Contains(w.String(), missing) {
+		t.Fatalf("a long-running reconcile on a missing SQLite file: %d %q; want a warning naming %s, and a start line", code, w.String(), missing)
 	}
 
 	// A lease that ran out a second ago: inside the default grace, not

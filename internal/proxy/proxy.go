@@ -976,7 +976,7 @@ func Serve(ctx context.Context, stop *Stop, cfg Config, eng *idem.Engine, health
 	servers := &Servers{Timeouts: cfg.Timeouts, Log: log}
 	addr, err := servers.Listen(cmp.Or(cfg.Listen, DefaultListen), h)
 	if err != nil {
-		return err
+		return fmt.Errorf("listen (--listen, $IDEM_LISTEN): %w", err)
 	}
 	adminAddr := ""
 	if cfg.AdminListen != "" {
@@ -984,7 +984,7 @@ func Serve(ctx context.Context, stop *Stop, cfg Config, eng *idem.Engine, health
 			done, cancel := context.WithCancel(context.Background())
 			cancel()
 			servers.Shutdown(done)
-			return err
+			return fmt.Errorf("admin_listen (--admin-listen, $IDEM_ADMIN_LISTEN): %w", err)
 		}
 	}
 	attrs := []any{"addr", addr, "upstream", redact.URL(cfg.Upstream)}

@@ -20,6 +20,7 @@ import (
 	"io/fs"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 
@@ -109,12 +110,26 @@ func Open(ctx context.Context, dsn string) (*Opened, error) {
 // be there: a SQLite DSN naming no file is an error wrapping
 // [idem.ErrInvalid], rather than a new, empty database.
 func OpenExisting(ctx context.Context, dsn string) (*Opened, error) {
-	if path, ok := sqlitePath(dsn); ok && path != "" {
-		if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
-			return nil, fmt.Errorf("%w: store %s: there is no database at %s (is the store right?)", idem.ErrInvalid, dsn, path)
-		}
+	if path, missing := Missing(dsn); missing {
+		return nil, fmt.Errorf("%w: store %s: there is no database at %s (is the store right?)", idem.ErrInvalid, dsn, path)
 	}
 	return Open(ctx, dsn)
+}
+
+// Missing returns the path of the SQLite database dsn names, made absolute,
+// when there is no file there: opening it would create a new, empty one.
+func Missing(dsn string) (path string, missing bool) {
+	path, ok := sqlitePath(dsn)
+	if !ok || path == "" {
+		return "", false
+	}
+	if _, err := os.Stat(path); !errors.Is(err, fs.ErrNotExist) {
+		return "", false
+	}
+	if abs, err := filepath.Abs(path); err == nil {
+		path = abs
+	}
+	return path, true
 }
 
 // sqlitePath returns the path of a SQLite DSN, and whether it is one.
