@@ -62,6 +62,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"keys", "ls", "--bogus"}, "unknown flag --bogus\nRun 'idem keys ls --help'"},
 		{[]string{"keys", "show"}, "takes 1 key, not 0"},
 		{[]string{"keys", "ls", "--store", "nope:x"}, `unknown kind "nope"`},
+		{[]string{"keys", "ls", "--store", "idem.db"}, `store "idem.db" names no kind: a SQLite file is sqlite:idem.db`},
 		{[]string{"keys", "ls", "--store", "postgres://u:s3cret@host:abc/db"}, "invalid port"},
 		{[]string{"demo", "--store", "memory:"}, "takes sqlite:PATH or postgres://"},
 		{[]string{"demo", "--lease", "soon"}, `--lease "soon": want a duration`},

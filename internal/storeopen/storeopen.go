@@ -209,6 +209,9 @@ func open(ctx context.Context, dsn string) (*Opened, error) {
 	case "memcached":
 		return openMemcached(dsn)
 	}
+	if !strings.Contains(dsn, ":") { // a path, most likely: it holds no credentials
+		return nil, fmt.Errorf("%w: store %q names no kind: a SQLite file is sqlite:%s; the others are postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, dsn, dsn)
+	}
 	return nil, fmt.Errorf("%w: store %s: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, Redact(dsn), schemeOf(dsn))
 }
 
