@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -263,11 +264,29 @@ func TestPortInUseNamesTheSetting(t *testing.T) {
 		{[]string{"demo", "--store", "sqlite:" + filepath.Join(dir, "demo.db"), "--listen", "127.0.0.1:0", "--admin-listen", "", "--acquirer-listen", addr}, "--acquirer-listen " + addr},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		var stderr strings.Builder
-		code := Main(ctx, c.args, envOf(nil), io.Discard, &stderr)
+		stderr := new(lockedBuilder) // the proxy's health check may log as it fails
+		code := Main(ctx, c.args, envOf(nil), io.Discard, stderr)
 		cancel()
 		if code == 0 || !strings.Contains(stderr.String(), c.want) || !strings.Contains(stderr.String(), "address already in use") {
 			t.Errorf("%s with %s taken: exit %d, %q; want it named as %q", c.args[0], addr, code, stderr.String(), c.want)
 		}
 	}
+}
+
+// lockedBuilder is a strings.Builder that goroutines may write at once.
+type lockedBuilder struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *lockedBuilder) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *lockedBuilder) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
 }

@@ -167,10 +167,9 @@ func (r pgRow) Scan(dest ...any) error {
 // database's own, on SQLite) or a quoted schema and its dot.
 func inSchema(q, schema string) string { return strings.ReplaceAll(q, "{{s}}", schema) }
 
-// rebind turns ? placeholders into PostgreSQL's $1, $2, … (and puts the
-// tables in schema, see [inSchema]).
+// rebind turns ? placeholders into PostgreSQL's $1, $2, …, then puts the
+// tables in schema (see [inSchema]), whose quoted name may hold a ?.
 func rebind(q, schema string) string {
-	q = inSchema(q, schema)
 	var b strings.Builder
 	n := 0
 	for _, c := range q {
@@ -181,7 +180,7 @@ func rebind(q, schema string) string {
 		}
 		b.WriteRune(c)
 	}
-	return b.String()
+	return inSchema(b.String(), schema)
 }
 
 func (d pgDB) InTx(ctx context.Context, fn func(Tx) error) error {

@@ -387,6 +387,9 @@ func TestLedgerIsInTheRecordsSchema(t *testing.T) {
 		b := make([]byte, 6)
 		rand.Read(b)
 		schema := fmt.Sprintf("idem_test_ledger_%d_%x", i, b)
+		if i == 1 {
+			schema += `?"x` // quoted, and a ? that is no placeholder
+		}
 		schemas = append(schemas, schema)
 		pool, err := pgxpool.New(ctx, url)
 		if err != nil {

@@ -13,8 +13,10 @@ import (
 
 // URL returns s without the password of its user-info nor the values of
 // its query options that hold secrets (password=, sslpassword=, a token, a
-// key…). A string that does not parse as a URL is shown by its scheme
-// alone ("postgres://…"), since any part of it may be the password.
+// key…), and, for an http or https URL, without a user name alone (an API's
+// key sent as the user name, as Stripe's are). A string that does not
+// parse as a URL is shown by its scheme alone ("postgres://…"), since any
+// part of it may be the password.
 func URL(s string) string {
 	scheme := Scheme(s)
 	u, err := url.Parse(s)
@@ -27,6 +29,8 @@ func URL(s string) string {
 	if u.User != nil {
 		if _, ok := u.User.Password(); ok {
 			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		} else if u.Scheme == "http" || u.Scheme == "https" {
+			u.User = url.User("xxxxx")
 		}
 	}
 	if u.RawQuery != "" {

@@ -19,6 +19,10 @@ func TestURL(t *testing.T) {
 		"idem:hunter2@db/pay":                                       "idem://…",
 		"%zz:hunter2":                                               "(not a URL)",
 		"redis://db:6379/0":                                         "redis://db:6379/0",
+		// An HTTP API's key as the user name, the way Stripe's are sent;
+		// a database's user name is no secret.
+		"https://sk_live_hunter2@api.example/idem/resolve": "https://xxxxx@api.example/idem/resolve",
+		"postgres://idem@db/pay":                           "postgres://idem@db/pay",
 	} {
 		if got := redact.URL(in); got != want {
 			t.Errorf("URL(%q) = %q; want %q", in, got, want)
