@@ -11,13 +11,13 @@ import (
 	"reflect"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/testkit"
 )
 
 func envOf(m map[string]string) Env { return func(k string) string { return m[k] } }
@@ -264,29 +264,11 @@ func TestPortInUseNamesTheSetting(t *testing.T) {
 		{[]string{"demo", "--store", "sqlite:" + filepath.Join(dir, "demo.db"), "--listen", "127.0.0.1:0", "--admin-listen", "", "--acquirer-listen", addr}, "--acquirer-listen " + addr},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		stderr := new(lockedBuilder) // the proxy's health check may log as it fails
+		stderr := new(testkit.SyncBuffer) // the proxy's health check may log as it fails
 		code := Main(ctx, c.args, envOf(nil), io.Discard, stderr)
 		cancel()
 		if code == 0 || !strings.Contains(stderr.String(), c.want) || !strings.Contains(stderr.String(), "address already in use") {
 			t.Errorf("%s with %s taken: exit %d, %q; want it named as %q", c.args[0], addr, code, stderr.String(), c.want)
 		}
 	}
-}
-
-// lockedBuilder is a strings.Builder that goroutines may write at once.
-type lockedBuilder struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (w *lockedBuilder) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func (w *lockedBuilder) String() string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.String()
 }

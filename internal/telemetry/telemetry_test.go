@@ -24,6 +24,7 @@ import (
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/internal/testbin"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
@@ -214,30 +215,11 @@ func TestFinishTxIsMeasured(t *testing.T) {
 // "pa" as a port, and the URL does not parse.
 const badEndpoint = "http://collector:pa/ss-S3CRET@127.0.0.1:4318"
 
-// syncBuffer is a log's output, written by the SDK's goroutines and read by
-// the test.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // jsonLog sends the SDK's lines to a JSON log for the test, and back to the
 // process's default log after it.
-func jsonLog(t *testing.T) *syncBuffer {
+func jsonLog(t *testing.T) *testkit.SyncBuffer {
 	t.Helper()
-	buf := &syncBuffer{}
+	buf := &testkit.SyncBuffer{}
 	telemetry.SetLogger(slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	t.Cleanup(func() { telemetry.SetLogger(slog.Default()) })
 	return buf

@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -221,4 +222,25 @@ func (q *Queue) Add(name string, call func() error) {
 	want := q.Waiting() + 1
 	go func() { ch <- call() }()
 	wait.Until(q.T, 10*time.Second, name+" to queue", func() bool { return q.Waiting() == want })
+}
+
+// SyncBuffer is a log's output that goroutines write while a test reads it
+// (a server's, an SDK's).
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+// Write appends p.
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// String returns what was written so far.
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
