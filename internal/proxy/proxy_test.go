@@ -18,6 +18,7 @@ import (
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
@@ -544,23 +545,13 @@ func TestGracefulShutdown(t *testing.T) {
 	}
 }
 
-// syncBuffer is a log destination safe for the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
+// syncBuffer is a log destination safe for the server's goroutines, read
+// as JSON lines.
+type syncBuffer struct{ testkit.SyncBuffer }
 
 func (s *syncBuffer) lines() []map[string]any {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	var out []map[string]any
-	for _, l := range strings.Split(strings.TrimSpace(s.b.String()), "\n") {
+	for _, l := range strings.Split(strings.TrimSpace(s.String()), "\n") {
 		var m map[string]any
 		if json.Unmarshal([]byte(l), &m) == nil {
 			out = append(out, m)
