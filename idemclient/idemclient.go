@@ -10,10 +10,13 @@
 // Stripe-Should-Retry header says to retry and, without one, network errors,
 // 409 in-progress, 429, 502, 503 and 504, honouring Retry-After, with capped
 // exponential backoff and full jitter, within a limit on attempts and on
-// total time, and stops when the request's context ends. It never retries a
-// request without a key (nothing would make the retry safe), an answer
-// whose Idempotent-Ignored header says the server did not honour the key,
-// nor 400, 422, 409 operation-uncertain, or any other answer. When it gives
+// total time, and stops when the request's context ends (a transport's own
+// timeouts, which end an attempt and not the request, are network errors).
+// It never retries a request without a key (nothing would make the retry
+// safe), an answer whose Idempotent-Ignored header says the server did not
+// honour the key, a replay of the key's stored outcome (Idempotent-Replayed:
+// every retry would get it again, whatever its status), nor 400, 422, 409
+// operation-uncertain, or any other answer. When it gives
 // up on a request it sent (attempts or time ran out on network errors or on
 // answers that asked for a retry, or the request's context ended), its
 // error is an [*Error] that carries the key, with which the request can be
@@ -189,18 +192,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("idemclient: making a key: %w", err)
 		}
 	}
+	ctx := req.Context()
 	getBody := req.GetBody
 	if req.Body != nil && req.Body != http.NoBody && getBody == nil {
-		b, err := io.ReadAll(io.LimitReader(req.Body, t.cfg.MaxBody+1))
+		b, err := t.buffer(ctx, req.Body)
 		if err != nil {
-			return nil, fmt.Errorf("idemclient: reading the request body: %w", err)
-		}
-		if int64(len(b)) > t.cfg.MaxBody {
-			return nil, ErrBodyTooLarge
+			return nil, err
 		}
 		getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil }
 	}
-	ctx := req.Context()
 	start := time.Now()
 	var last answered // the last answer, which asked for a retry
 	for attempt := 1; ; attempt++ {
@@ -214,7 +214,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			out.Body, out.GetBody = body, getBody
 		}
 		resp, err := t.cfg.Base.RoundTrip(out)
-		if !retryable(resp, err, start.Add(t.cfg.MaxElapsed)) {
+		if !retryable(ctx, resp, err, start.Add(t.cfg.MaxElapsed)) {
 			return resp, t.gaveUp(key, attempt, answered{}, err)
 		}
 		last = answered{}
@@ -253,6 +253,37 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 }
 
+// buffer reads body whole, MaxBody at most, until ctx ends: then it closes
+// body (which unblocks a stalled Read of a pipe or a connection) and returns
+// ctx's error, as the transport would for a body it could not send.
+func (t *Transport) buffer(ctx context.Context, body io.ReadCloser) ([]byte, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	type read struct {
+		b   []byte
+		err error
+	}
+	done := make(chan read, 1)
+	go func() {
+		b, err := io.ReadAll(io.LimitReader(body, t.cfg.MaxBody+1))
+		done <- read{b, err}
+	}()
+	select {
+	case <-ctx.Done():
+		body.Close()
+		return nil, ctx.Err()
+	case r := <-done:
+		if r.err != nil {
+			return nil, fmt.Errorf("idemclient: reading the request body: %w", r.err)
+		}
+		if int64(len(r.b)) > t.cfg.MaxBody {
+			return nil, ErrBodyTooLarge
+		}
+		return r.b, nil
+	}
+}
+
 // answered is the status and Retry-After of an answer that asked for a
 // retry; zero for an attempt that got no answer.
 type answered struct {
@@ -284,12 +315,19 @@ func discard(body io.ReadCloser) {
 // The server's Stripe-Should-Retry header decides when present (idem sends it
 // on every problem; so do Stripe's API and APIs modelled on it); otherwise
 // the status, and for a 409 the problem type, do.
-func retryable(resp *http.Response, err error, deadline time.Time) bool {
+func retryable(ctx context.Context, resp *http.Response, err error, deadline time.Time) bool {
 	if err != nil {
-		return !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+		// Decided by the caller's context, not by the error: a transport's
+		// own timeouts (ResponseHeaderTimeout, a dial's, a deadline a Base
+		// gives each attempt) are context.DeadlineExceeded too, while the
+		// caller still waits and a retry with the key is safe.
+		return ctx.Err() == nil
 	}
 	if resp.Header.Get(headerIgnored) != "" {
 		return false // the key was not honoured: the request ran without idempotency
+	}
+	if resp.Header.Get(headerReplayed) == "true" {
+		return false // a stored outcome, which every retry would replay as it is
 	}
 	switch resp.Header.Get("Stripe-Should-Retry") {
 	case "true":
@@ -311,6 +349,11 @@ func retryable(resp *http.Response, err error, deadline time.Time) bool {
 // honour: the request ran without idempotency, and a retry would run it
 // again.
 const headerIgnored = "Idempotent-Ignored"
+
+// headerReplayed is the header a server following the idempotency
+// contract sets on a replay of the key's stored outcome, which never
+// changes: whatever it says, retrying gets it again.
+const headerReplayed = "Idempotent-Replayed"
 
 // inProgress reports whether a 409 says the first request is still running
 // (worth a retry), rather than, say, operation-uncertain (not now). It

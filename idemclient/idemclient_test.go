@@ -1,10 +1,12 @@
 package idemclient_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -550,5 +552,162 @@ func TestRequestBodyClosed(t *testing.T) {
 	resp.Body.Close()
 	if body.closed.Load() == 0 {
 		t.Fatal("the request's body was never closed")
+	}
+}
+
+// TestTransportTimeoutsAreRetried: http.Transport's ResponseHeaderTimeout, a
+// dial's timeout and a deadline a Base gives each attempt are all
+// context.DeadlineExceeded, while the caller's context is live: the first
+// attempt's answer is late, or nothing was sent, and a retry with the key
+// is what the client is for.
+func TestTransportTimeoutsAreRetried(t *testing.T) {
+	// slow holds the first attempt until the client gives up on it.
+	slow := func(n *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.Copy(io.Discard, r.Body) // then the server watches the connection, and r's context ends with it
+			if n.Add(1) == 1 {
+				select {
+				case <-r.Context().Done():
+				case <-time.After(time.Minute):
+				}
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+	}
+	t.Run("response header timeout", func(t *testing.T) {
+		var n atomic.Int64
+		ts := httptest.NewServer(slow(&n))
+		defer ts.Close()
+		base := &http.Transport{ResponseHeaderTimeout: time.Second}
+		resp, err := client(idemclient.Config{Base: base}).Post(ts.URL, "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatalf("after %d attempt(s), the caller's context live: %v", n.Load(), err)
+		}
+		resp.Body.Close()
+	})
+	t.Run("a deadline per attempt", func(t *testing.T) {
+		var n atomic.Int64
+		ts := httptest.NewServer(slow(&n))
+		defer ts.Close()
+		resp, err := client(idemclient.Config{Base: deadlinePerAttempt{time.Second}}).Post(ts.URL, "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatalf("after %d attempt(s), the caller's context live: %v", n.Load(), err)
+		}
+		resp.Body.Close()
+	})
+	t.Run("dial timeout", func(t *testing.T) {
+		ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }))
+		defer ts.Close()
+		var dials atomic.Int64
+		base := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			d := &net.Dialer{}
+			if dials.Add(1) == 1 {
+				d.Timeout = time.Nanosecond // the first SYN is lost
+			}
+			return d.DialContext(ctx, network, addr)
+		}}
+		resp, err := client(idemclient.Config{Base: base}).Post(ts.URL, "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatalf("after %d dial(s): %v", dials.Load(), err)
+		}
+		resp.Body.Close()
+	})
+}
+
+// deadlinePerAttempt is a Base that gives each attempt a deadline of its own.
+type deadlinePerAttempt struct{ d time.Duration }
+
+func (p deadlinePerAttempt) RoundTrip(r *http.Request) (*http.Response, error) {
+	ctx, cancel := context.WithTimeout(r.Context(), p.d)
+	defer cancel()
+	resp, err := http.DefaultTransport.RoundTrip(r.WithContext(ctx))
+	if err != nil {
+		return nil, err
+	}
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	resp.Body = io.NopCloser(bytes.NewReader(b))
+	return resp, err
+}
+
+// TestReplaysAreFinal: a replay of the key's stored outcome never changes,
+// whatever its status or Stripe-Should-Retry say (idem stores a 504 or a
+// handler's own retry advice): the caller gets it, body and all, after one
+// attempt, not an error after every attempt got the same replay.
+func TestReplaysAreFinal(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		status int
+		header string
+	}{{"a stored 504", http.StatusGatewayTimeout, ""}, {"a stored retry advice", http.StatusConflict, "true"}} {
+		t.Run(c.name, func(t *testing.T) {
+			eng, err := idem.New(idem.Config{Store: memstore.New()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mw, err := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var runs, attempts atomic.Int64
+			h := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				if c.header != "" {
+					w.Header().Set("Stripe-Should-Retry", c.header)
+				}
+				w.WriteHeader(c.status)
+				io.WriteString(w, `{"charge":"ch_1"}`)
+			}))
+			ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { attempts.Add(1); h.ServeHTTP(w, r) }))
+			defer ts.Close()
+			resp, err := client(idemclient.Config{}).Post(ts.URL, "application/json", strings.NewReader(`{"amount":100}`))
+			if err != nil {
+				t.Fatalf("%d run(s), %d attempts: %v; want the stored outcome", runs.Load(), attempts.Load(), err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != c.status || string(b) != `{"charge":"ch_1"}` || runs.Load() != 1 || attempts.Load() != 2 {
+				t.Fatalf("%d %s after %d run(s) and %d attempts; want the stored %d after 1 run and 2 attempts (the first, its replay)",
+					resp.StatusCode, b, runs.Load(), attempts.Load(), c.status)
+			}
+		})
+	}
+}
+
+// TestBufferingHonoursTheContext: a body without GetBody is read whole
+// before the first attempt; a stream whose producer stalls must not keep
+// RoundTrip from returning when the request's context ends.
+func TestBufferingHonoursTheContext(t *testing.T) {
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.Copy(io.Discard, r.Body) }))
+	defer ts.Close()
+	for _, ended := range []bool{true, false} {
+		pr, pw := io.Pipe()
+		defer pw.Close()
+		go pw.Write([]byte(`{"amount":`)) // and then nothing more
+		ctx, cancel := context.WithCancel(context.Background())
+		if ended {
+			cancel() // before RoundTrip
+		} else {
+			defer cancel()
+			time.AfterFunc(50*time.Millisecond, cancel) // while the body is read
+		}
+		req, _ := http.NewRequestWithContext(ctx, "POST", ts.URL, pr)
+		done := make(chan error, 1)
+		go func() {
+			resp, err := client(idemclient.Config{}).Do(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("context ended before RoundTrip %v: %v; want context.Canceled", ended, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("context ended before RoundTrip %v: still in RoundTrip 10 s after the request's context ended", ended)
+		}
 	}
 }
