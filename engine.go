@@ -2,10 +2,12 @@ package idem
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -84,7 +86,22 @@ type Config struct {
 	// outcome never changes until it expires). Defaults to
 	// [DefaultCacheSize]; negative: none.
 	CacheSize int64 `yaml:"cache_size"`
+	// PruneInterval is how often the engine deletes, in the background,
+	// the settled records whose retention has run out ([Engine.Prune]):
+	// the first time about one interval after New, then every interval
+	// (less up to a quarter, at random, so that instances sharing a store
+	// take turns), until [Engine.Close]. The SQL stores keep expired
+	// records until they are pruned; stores whose server expires records
+	// itself (Redis, Memcached, DynamoDB) have nothing to prune, and the
+	// call costs nothing. Defaults to [DefaultPruneInterval]; negative:
+	// never (prune with [Engine.Prune] or `idem keys purge` on a schedule
+	// of your own).
+	PruneInterval time.Duration `yaml:"prune_interval"`
 }
+
+// DefaultPruneInterval is how often an engine prunes expired records by
+// default (see [Config.PruneInterval]).
+const DefaultPruneInterval = 10 * time.Minute
 
 // DefaultStoreTimeout is how long the engine gives a store call, retries
 // included, before it counts the store as unreachable.
@@ -113,6 +130,8 @@ type Engine struct {
 	journal      *journal
 	log          *slog.Logger
 	down         atomic.Bool // the store has not answered for a whole store timeout
+	stopPruning  context.CancelFunc
+	pruned       chan struct{} // closed when the pruner has stopped
 }
 
 // New returns an engine for cfg. With a JournalDir, it reads the outcomes a
@@ -160,7 +179,38 @@ func New(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.journal = j
+	ctx, stop := context.WithCancel(context.Background())
+	e.stopPruning, e.pruned = stop, make(chan struct{})
+	if cfg.PruneInterval < 0 {
+		close(e.pruned)
+	} else {
+		go e.prune(ctx, cmp.Or(cfg.PruneInterval, DefaultPruneInterval))
+	}
 	return e, nil
+}
+
+// prune runs [Engine.Prune] every interval (less up to a quarter, at
+// random) until ctx ends, logging what it deleted and what failed.
+func (e *Engine) prune(ctx context.Context, interval time.Duration) {
+	defer close(e.pruned)
+	for {
+		t := time.NewTimer(interval - rand.N(interval/4+1))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		n, err := e.Prune(ctx, PruneOptions{})
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			e.log.Warn("idempotency store: pruning expired records failed; the next try is in one prune interval", "deleted", n, "err", err)
+		case n > 0:
+			e.log.Info("idempotency store: pruned expired records", "deleted", n)
+		}
+	}
 }
 
 // Close waits, until ctx ends, for the requests this engine's callers run
@@ -174,6 +224,11 @@ func New(cfg Config) (*Engine, error) {
 // store does not take is kept only in the JournalDir: without one, Complete
 // returns ErrUnavailable.
 func (e *Engine) Close(ctx context.Context) error {
+	e.stopPruning()
+	select {
+	case <-e.pruned:
+	case <-ctx.Done():
+	}
 	running := e.owners.running(e.clock.Now())
 	if running > 0 {
 		tick := time.NewTicker(closePoll)

@@ -708,3 +708,71 @@ func TestUnsentCallIsNotRetried(t *testing.T) {
 		t.Fatalf("Begin = %v, want ErrUnavailable", err)
 	}
 }
+
+// pruneWatch tells of each Prune call; block makes them wait for their
+// context (a store that does not answer).
+type pruneWatch struct {
+	idem.Store
+	calls chan context.Context
+	block bool
+}
+
+func (s pruneWatch) Prune(ctx context.Context, p store.PruneParams) (int, error) {
+	select {
+	case s.calls <- ctx:
+	default:
+	}
+	if s.block {
+		<-ctx.Done()
+		return 0, ctx.Err()
+	}
+	return s.Store.Prune(ctx, p)
+}
+
+// TestPrunesInTheBackground: an engine deletes settled records whose
+// retention has run out every PruneInterval, without a caller asking (the
+// SQL stores kept them for ever: a proxy's table grew until an operator
+// ran idem keys purge), and Close stops it, a prune under way included.
+func TestPrunesInTheBackground(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	mem := memstore.New()
+	watch := pruneWatch{Store: mem, calls: make(chan context.Context, 1)}
+	e, out := started(t, idem.Config{Store: watch, Clock: clock, Retention: time.Hour, PruneInterval: 20 * time.Millisecond})
+	if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
+		t.Fatal(err)
+	}
+	get := func() error {
+		_, err := mem.Get(ctx, store.GetParams{Key: "k", Now: clock.Now()})
+		return err
+	}
+	if err := get(); err != nil {
+		t.Fatalf("the completed record: %v", err)
+	}
+	wait.Recv(t, watch.calls, 10*time.Second, "a prune while the record is replayed")
+	if err := get(); err != nil {
+		t.Fatalf("pruned while replayed: %v", err)
+	}
+	clock.Advance(2 * time.Hour)
+	wait.Until(t, 10*time.Second, "the expired record pruned (every 20ms)", func() bool {
+		_, err := mem.Get(ctx, store.GetParams{Key: "k", Now: clock.Now().Add(-2 * time.Hour)})
+		return errors.Is(err, idem.ErrNotFound)
+	})
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	blocked := pruneWatch{Store: mem, calls: make(chan context.Context, 1), block: true}
+	e, err := idem.New(idem.Config{Store: blocked, PruneInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pruning := wait.Recv(t, blocked.calls, 10*time.Second, "a prune")
+	closeCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := e.Close(closeCtx); err != nil {
+		t.Fatal(err)
+	}
+	if pruning.Err() == nil || closeCtx.Err() != nil {
+		t.Fatalf("Close returned (its context: %v) with the prune under way still running", closeCtx.Err())
+	}
+}

@@ -51,6 +51,7 @@ var settingHelp = map[string]string{
 	"poll":                "how often a waiting duplicate looks again when nothing wakes it",
 	"store_timeout":       "bound on each store call for a request, retries included",
 	"cache_size":          "the `size` of the completed outcomes kept in memory to answer replays without the store (negative: no cache)",
+	"prune_interval":      "how often settled records whose retention has run out are deleted from the store (negative: never; then run idem keys purge)",
 	"journal_dir":         "`directory` where outcomes wait while the store is unreachable (none: memory only)",
 	"read_header_timeout": "bound on reading a request's headers",
 	"read_timeout":        "bound on reading a whole request, body included",

@@ -195,7 +195,7 @@ func DefaultConfig() Config {
 		UpstreamTimeout: DefaultUpstreamTimeout,
 		ShutdownTimeout: DefaultShutdownTimeout,
 		Engine: idem.Config{Lease: idem.DefaultLease, Retention: idem.DefaultRetention, Poll: idem.DefaultPoll,
-			StoreTimeout: idem.DefaultStoreTimeout, JournalDir: DefaultJournalDir},
+			StoreTimeout: idem.DefaultStoreTimeout, JournalDir: DefaultJournalDir, PruneInterval: idem.DefaultPruneInterval},
 		Timeouts: Timeouts{ReadHeaderTimeout: DefaultReadHeaderTimeout, ReadTimeout: DefaultReadTimeout,
 			WriteTimeout: DefaultWriteTimeout, IdleTimeout: DefaultIdleTimeout, MaxHeaderBytes: DefaultMaxHeaderBytes},
 		Defaults: Route{Config: httpidem.Config{Methods: httpidem.DefaultMethods(), ScopeHeaders: []string{DefaultScopeHeader},
