@@ -12,7 +12,8 @@
 // the reconciler's answer (nor the reconciler the owner's).
 //
 // The work is a synchronous [Reconciler.RunOnce]; [Reconciler.Start] runs it
-// every [Config.Interval] until [Reconciler.Stop].
+// every [Config.Interval] until [Reconciler.Stop]. Each resolver call has
+// [Config.ResolveTimeout] to answer.
 package reconcile
 
 import (
@@ -39,7 +40,16 @@ const (
 	DefaultInterval = 30 * time.Second
 	// DefaultPageSize is how many records a pass reads at a time.
 	DefaultPageSize = 100
+	// DefaultResolveTimeout is how long a resolver has to answer for one
+	// record (and its Commit to run).
+	DefaultResolveTimeout = 30 * time.Second
 )
+
+// outageAfter is how many store calls in a row, in a pass, must fail as
+// unavailable before the reconciler takes the store for unreachable (a
+// failed scan does at once). Fewer are one record's trouble: that record is
+// counted as an error and left for the next pass, and the others go on.
+const outageAfter = 3
 
 // Outcome is what a resolver found.
 type Outcome int
@@ -82,6 +92,8 @@ type Resolution struct {
 
 // Resolver finds out what happened to a record's side effect. The record
 // carries its checkpoints and its downstream keys ([idem.Record.DownstreamKey]).
+// Resolve must return once its context ends: the reconciler bounds each call
+// by [Config.ResolveTimeout], and [Reconciler.Stop] cancels it.
 type Resolver interface {
 	Resolve(ctx context.Context, rec idem.Record) (Resolution, error)
 }
@@ -117,6 +129,12 @@ type Config struct {
 	// PageSize is how many records a pass reads at a time. Defaults to
 	// [DefaultPageSize].
 	PageSize int
+	// ResolveTimeout bounds the resolver's call for one record, and the
+	// Commit of its resolution, each: past it, the call's context is
+	// cancelled, the record is counted as an error and logged, and it is
+	// left for the next pass (a hung lookup does not hold up the pass).
+	// Defaults to [DefaultResolveTimeout].
+	ResolveTimeout time.Duration
 	// Logger receives a line per settled record and per error. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
@@ -130,10 +148,16 @@ type Reconciler struct {
 	cfg  Config
 	log  *slog.Logger
 	mu   sync.Mutex
-	stop chan struct{} // closed by Stop
-	done chan struct{} // closed when the loop has ended
+	loop *loop // the loop Start runs; nil when none runs
 
 	unreachable atomic.Pointer[time.Time] // the last time the store could not be reached
+}
+
+// loop is one run of Start's background passes.
+type loop struct {
+	ctx    context.Context    // the passes' context
+	cancel context.CancelFunc // ends it (Stop)
+	done   chan struct{}      // closed when the loop has ended
 }
 
 // New checks cfg and returns a reconciler.
@@ -141,8 +165,8 @@ func New(cfg Config) (*Reconciler, error) {
 	if cfg.Engine == nil || cfg.Resolver == nil {
 		return nil, fmt.Errorf("%w: reconcile: config needs an engine and a resolver", idem.ErrInvalid)
 	}
-	if cfg.Interval < 0 || cfg.PageSize < 0 {
-		return nil, fmt.Errorf("%w: reconcile: negative interval or page size", idem.ErrInvalid)
+	if cfg.Interval < 0 || cfg.PageSize < 0 || cfg.ResolveTimeout < 0 {
+		return nil, fmt.Errorf("%w: reconcile: negative interval, page size or resolve timeout", idem.ErrInvalid)
 	}
 	switch {
 	case cfg.Grace == 0:
@@ -156,6 +180,9 @@ func New(cfg Config) (*Reconciler, error) {
 	if cfg.PageSize == 0 {
 		cfg.PageSize = DefaultPageSize
 	}
+	if cfg.ResolveTimeout == 0 {
+		cfg.ResolveTimeout = DefaultResolveTimeout
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -167,43 +194,63 @@ func New(cfg Config) (*Reconciler, error) {
 type Report struct {
 	// Stale is how many stale records the pass saw.
 	Stale int
-	// Waiting were records still inside their grace period.
+	// Waiting were records still inside their grace period (or back
+	// inside it: a retry marked an abandoned record unknown since the scan).
 	Waiting int
 	// Completed and Failed were settled by this pass.
 	Completed, Failed int
 	// Unknown are records the resolver could not answer for yet.
 	Unknown int
 	// Lost were settled, renewed or taken over by someone else (the owner,
-	// another reconciler, a retry) since the scan saw them.
+	// another reconciler, a retry), or are gone, since the scan saw them.
 	Lost int
-	// Errors are records the pass could not handle; see the log.
+	// Errors are records the pass could not handle (a store call or the
+	// resolver failed, or the resolver did not answer within
+	// [Config.ResolveTimeout]); see the log. They are left for the next
+	// pass.
 	Errors int
 }
 
+// pass is the state of one RunOnce.
+type pass struct {
+	rep         Report
+	unavailable int // store calls in a row that failed as unavailable
+}
+
 // RunOnce makes one pass over the stale records and returns what it did. It
-// returns an error only when the store cannot be scanned; a record that
-// fails is counted and logged, and the pass goes on.
+// returns an error only when the store cannot be scanned, or ctx ends (the
+// pass stops there); a record that fails is counted and logged, and the
+// pass goes on.
+//
+// A failed scan means the store is unreachable (as does a run of failed
+// calls): every record then waits a grace from now, as owners may have
+// outcomes in their journals to store first. One record whose read or
+// settlement fails is that record's error, left for the next pass.
 func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
-	var rep Report
+	var p pass
 	cursor := ""
 	for {
 		page, err := r.cfg.Engine.Scan(ctx, r.cfg.PageSize, cursor)
 		if err != nil {
 			r.noteUnreachable(err)
-			return rep, fmt.Errorf("reconcile: scanning: %w", err)
+			return p.rep, fmt.Errorf("reconcile: scanning: %w", err)
 		}
+		p.unavailable = 0
 		for _, rec := range page.Records {
-			rep.Stale++
-			r.settle(ctx, rec, &rep)
+			if err := ctx.Err(); err != nil {
+				return p.rep, fmt.Errorf("reconcile: pass cut short: %w", err)
+			}
+			p.rep.Stale++
+			r.settle(ctx, rec, &p)
 		}
 		if cursor = page.Cursor; cursor == "" {
-			return rep, nil
+			return p.rep, nil
 		}
 	}
 }
 
-func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
-	eng := r.cfg.Engine
+func (r *Reconciler) settle(ctx context.Context, rec idem.Record, p *pass) {
+	eng, rep := r.cfg.Engine, &p.rep
 	log := r.log.With("key_hash", idem.KeyHash(rec.Scope, rec.Key), "state", rec.State, "fence", rec.Fence)
 	if eng.Now().Before(r.quietUntil(rec)) {
 		rep.Waiting++
@@ -213,17 +260,19 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 	// DynamoDB secondary index does): the record itself says whether its
 	// owner has renewed it, or someone settled it, since.
 	fresh, err := eng.Get(ctx, rec.Scope, rec.Key)
+	r.storeCalled(p, err)
 	switch {
 	case errors.Is(err, idem.ErrNotFound):
 		rep.Lost++
 		return
 	case err != nil:
-		r.noteUnreachable(err)
-		rep.Errors++
-		log.Error("reconcile: reading the record", "err", err)
+		r.failed(ctx, p, log, "reconcile: reading the record; it is left for the next pass", "err", err)
 		return
-	case fresh.Token != rec.Token || !fresh.Stale(eng.Now()) || eng.Now().Before(r.quietUntil(fresh)):
+	case fresh.Token != rec.Token || !fresh.Stale(eng.Now()):
 		rep.Lost++ // renewed, settled or taken over since the scan
+		return
+	case eng.Now().Before(r.quietUntil(fresh)):
+		rep.Waiting++ // unsettled, back inside a grace: a retry marked it unknown since the scan
 		return
 	}
 	rec = fresh
@@ -233,28 +282,66 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, rep *Report) {
 		// nothing happened.
 		res = Resolution{Outcome: Failed}
 	} else {
-		if res, err = r.cfg.Resolver.Resolve(ctx, rec); err != nil {
-			rep.Errors++
-			log.Error("reconcile: resolver failed", "err", err)
+		rctx, cancel := context.WithTimeout(ctx, r.cfg.ResolveTimeout)
+		res, err = r.cfg.Resolver.Resolve(rctx, rec)
+		late := errors.Is(rctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
+		cancel()
+		switch {
+		case err != nil && late:
+			r.failed(ctx, p, log, "reconcile: the resolver did not answer in time; the record is left for the next pass",
+				"timeout", r.cfg.ResolveTimeout, "err", err)
 			return
+		case err != nil:
+			r.failed(ctx, p, log, "reconcile: resolver failed; the record is left for the next pass", "err", err)
+			return
+		}
+		if commit := res.Commit; commit != nil {
+			res.Commit = func(ctx context.Context, fp idem.FinishParams) error {
+				ctx, cancel := context.WithTimeout(ctx, r.cfg.ResolveTimeout)
+				defer cancel()
+				return commit(ctx, fp)
+			}
 		}
 	}
 	err = apply(ctx, eng, rec, res)
+	if !errors.Is(err, errStillUnknown) {
+		r.storeCalled(p, err)
+	}
 	switch {
 	case errors.Is(err, errStillUnknown):
 		rep.Unknown++
 	case errors.Is(err, idem.ErrLeaseLost):
 		rep.Lost++
 	case err != nil:
-		r.noteUnreachable(err)
-		rep.Errors++
-		log.Error("reconcile: settling", "outcome", res.Outcome, "err", err)
+		r.failed(ctx, p, log, "reconcile: settling; the record is left for the next pass", "outcome", res.Outcome, "err", err)
 	case res.Outcome == Completed:
 		rep.Completed++
 		log.Info("reconcile: settled", "outcome", res.Outcome)
 	default:
 		rep.Failed++
 		log.Info("reconcile: settled", "outcome", res.Outcome)
+	}
+}
+
+// failed counts a record the pass could not handle and logs why, unless the
+// pass itself was cut short (ctx ended: Stop, or the caller's context).
+func (r *Reconciler) failed(ctx context.Context, p *pass, log *slog.Logger, msg string, args ...any) {
+	p.rep.Errors++
+	if ctx.Err() == nil {
+		log.Error(msg, args...)
+	}
+}
+
+// storeCalled notes how a store call for one record went: a run of
+// [outageAfter] calls that failed as unavailable means the store is away;
+// any answer ends the run.
+func (r *Reconciler) storeCalled(p *pass, err error) {
+	if !errors.Is(err, idem.ErrUnavailable) {
+		p.unavailable = 0
+		return
+	}
+	if p.unavailable++; p.unavailable >= outageAfter {
+		r.noteUnreachable(err)
 	}
 }
 
@@ -374,50 +461,72 @@ func (r *Reconciler) noteUnreachable(err error) {
 }
 
 // Start runs a pass now and then every Interval, in the background, until
-// Stop or ctx ends. Starting a running reconciler does nothing.
+// Stop or ctx ends. Starting a running reconciler does nothing; once its
+// loop has ended (or is ending) with its context, Start starts a new one
+// (which begins when the old one has ended).
 func (r *Reconciler) Start(ctx context.Context) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stop != nil {
+	prev := r.loop
+	if prev != nil && prev.ctx.Err() == nil {
 		return
 	}
-	stop, done := make(chan struct{}), make(chan struct{})
-	r.stop, r.done = stop, done
+	l := &loop{done: make(chan struct{})}
+	l.ctx, l.cancel = context.WithCancel(ctx)
+	r.loop = l
 	go func() {
-		defer close(done)
-		ticker := time.NewTicker(r.cfg.Interval)
-		defer ticker.Stop()
-		for {
-			rep, err := r.RunOnce(ctx)
-			if err == nil && r.cfg.OnPass != nil {
-				r.cfg.OnPass(rep)
+		defer close(l.done)
+		defer func() {
+			l.cancel()
+			r.mu.Lock()
+			if r.loop == l {
+				r.loop = nil // a later Start runs again
 			}
-			if err != nil && ctx.Err() == nil {
-				r.log.Error("reconcile: pass failed", "err", err)
-			} else if rep.Completed+rep.Failed+rep.Unknown+rep.Errors > 0 {
-				r.log.Info("reconcile: pass", "stale", rep.Stale, "completed", rep.Completed, "failed", rep.Failed,
-					"unknown", rep.Unknown, "waiting", rep.Waiting, "lost", rep.Lost, "errors", rep.Errors)
-			}
-			select {
-			case <-ctx.Done():
-				return
-			case <-stop:
-				return
-			case <-ticker.C:
-			}
+			r.mu.Unlock()
+		}()
+		if prev != nil {
+			<-prev.done // one loop at a time
 		}
+		r.run(l.ctx)
 	}()
 }
 
-// Stop ends the background passes: it lets the pass under way finish (what
-// it settles stays settled) and waits for it.
+// run makes a pass now and then every Interval until ctx ends.
+func (r *Reconciler) run(ctx context.Context) {
+	ticker := time.NewTicker(r.cfg.Interval)
+	defer ticker.Stop()
+	for ctx.Err() == nil {
+		rep, err := r.RunOnce(ctx)
+		if err == nil && r.cfg.OnPass != nil {
+			r.cfg.OnPass(rep)
+		}
+		if err != nil {
+			if ctx.Err() == nil {
+				r.log.Error("reconcile: pass failed", "err", err)
+			}
+		} else if rep.Completed+rep.Failed+rep.Unknown+rep.Errors > 0 {
+			r.log.Info("reconcile: pass", "stale", rep.Stale, "completed", rep.Completed, "failed", rep.Failed,
+				"unknown", rep.Unknown, "waiting", rep.Waiting, "lost", rep.Lost, "errors", rep.Errors)
+		}
+		select {
+		case <-ctx.Done():
+		case <-ticker.C:
+		}
+	}
+}
+
+// Stop ends the background passes and waits for them to end. It cancels
+// the pass under way at once: what it settled stays settled, and the
+// record it was working on (its resolver's call, which must return when its
+// context ends) is left for a later pass. Stop returns when that call has
+// returned.
 func (r *Reconciler) Stop() {
 	r.mu.Lock()
-	stop, done := r.stop, r.done
-	r.stop = nil
+	l := r.loop
+	r.loop = nil
 	r.mu.Unlock()
-	if stop != nil {
-		close(stop)
-		<-done
+	if l != nil {
+		l.cancel()
+		<-l.done
 	}
 }

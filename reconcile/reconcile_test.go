@@ -619,3 +619,256 @@ func TestScanIsBounded(t *testing.T) {
 		t.Fatal("a pass whose scan is not answered still runs after 10 s (store timeout 100ms)")
 	}
 }
+
+// flakyGet fails every read of one record as unavailable (one slow call
+// past the store timeout, say), on every pass.
+type flakyGet struct {
+	idem.Store
+	bad string
+}
+
+func (f flakyGet) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
+	if p.Key == f.bad {
+		return idem.Record{}, fmt.Errorf("%w: timeout", idem.ErrUnavailable)
+	}
+	return f.Store.Get(ctx, p)
+}
+
+// TestOneUnavailableRecordDoesNotStarveTheRest: one record whose read fails
+// as unavailable on every pass is that record's error; the records after it
+// in key order are settled in the same pass (it used to restart the grace
+// for every record, on every pass, for good).
+func TestOneUnavailableRecordDoesNotStarveTheRest(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	eng, err := idem.New(idem.Config{Store: flakyGet{Store: memstore.New(), bad: "b"}, Clock: clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"a", "b", "c", "d"} {
+		if _, err := eng.Begin(ctx, idem.BeginParams{Key: k, Fingerprint: payload(k)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clock.Advance(5 * time.Minute)
+	settled := map[string]bool{}
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Grace: time.Minute, Logger: quiet,
+		Resolver: reconcile.ResolverFunc(func(_ context.Context, rec idem.Record) (reconcile.Resolution, error) {
+			settled[rec.Key] = true
+			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for pass := range 3 {
+		rep, err := r.RunOnce(ctx)
+		if err != nil || rep.Errors != 1 {
+			t.Fatalf("pass %d: %+v, %v; want b counted as an error", pass, rep, err)
+		}
+		clock.Advance(reconcile.DefaultInterval)
+	}
+	if !settled["a"] || !settled["c"] || !settled["d"] || settled["b"] {
+		t.Fatalf("settled %v after 3 passes; want a, c and d (b cannot be read)", settled)
+	}
+}
+
+// runOfFailures fails every read as unavailable while down: a store that
+// went away after the scan.
+type runOfFailures struct {
+	idem.Store
+	down atomic.Bool
+}
+
+func (s *runOfFailures) Get(ctx context.Context, p store.GetParams) (idem.Record, error) {
+	if s.down.Load() {
+		return idem.Record{}, idem.ErrUnavailable
+	}
+	return s.Store.Get(ctx, p)
+}
+
+// TestARunOfFailedReadsIsAnOutage: reads of several records in a row that
+// fail as unavailable mean the store went away mid-pass: the records after
+// them, and every record on the next pass, wait a grace (owners go first).
+func TestARunOfFailedReadsIsAnOutage(t *testing.T) {
+	clock := storetest.NewClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC))
+	s := &runOfFailures{Store: memstore.New()}
+	eng, err := idem.New(idem.Config{Store: s, Clock: clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		key := fmt.Sprintf("k%d", i)
+		if _, err := eng.Begin(ctx, idem.BeginParams{Key: key, Fingerprint: payload(key)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clock.Advance(5 * time.Minute)
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Grace: time.Minute, Logger: quiet, Resolver: reconcile.ResolverFunc(
+		func(context.Context, idem.Record) (reconcile.Resolution, error) {
+			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.down.Store(true)
+	if rep, err := r.RunOnce(ctx); err != nil || rep.Errors != 3 || rep.Waiting != 2 {
+		t.Fatalf("the pass the store went away in: %+v, %v; want 3 errors, then the rest waiting", rep, err)
+	}
+	s.down.Store(false)
+	clock.Advance(time.Second)
+	if rep, err := r.RunOnce(ctx); err != nil || rep.Waiting != 5 {
+		t.Fatalf("the pass after: %+v, %v; want every record waiting", rep, err)
+	}
+	clock.Advance(time.Minute)
+	if rep, err := r.RunOnce(ctx); err != nil || rep.Failed != 5 {
+		t.Fatalf("a grace later: %+v, %v; want every record settled", rep, err)
+	}
+}
+
+// TestAHungResolverTimesOut: a resolver that does not answer (a lookup
+// without a deadline of its own) is cancelled after ResolveTimeout; its
+// record is an error, logged, and left for the next pass, and the pass goes
+// on to the next record.
+func TestAHungResolverTimesOut(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "hung", false)
+	w.begin(t, "next", false)
+	w.clock.Advance(2 * time.Minute)
+	var logged strings.Builder
+	var mu sync.Mutex
+	log := slog.New(slog.NewTextHandler(lockedWriter{&mu, &logged}, nil))
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: log, ResolveTimeout: 50 * time.Millisecond,
+		Resolver: reconcile.ResolverFunc(func(ctx context.Context, rec idem.Record) (reconcile.Resolution, error) {
+			if rec.Key == "hung" {
+				<-ctx.Done()
+				return reconcile.Resolution{}, ctx.Err()
+			}
+			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep reconcile.Report
+	wait.Done(t, 10*time.Second, "a pass whose resolver hangs on one record (timeout 50ms)", func() { rep, err = r.RunOnce(ctx) })
+	if err != nil || rep.Errors != 1 || rep.Failed != 1 {
+		t.Fatalf("report %+v, %v; want the hung record an error, the next one settled", rep, err)
+	}
+	mu.Lock()
+	line := logged.String()
+	mu.Unlock()
+	if !strings.Contains(line, "did not answer in time") || !strings.Contains(line, idem.KeyHash("", "hung")) {
+		t.Fatalf("log %q; want the record that timed out named", line)
+	}
+	if out := w.decide(t, "hung"); out.Decision != idem.Uncertain {
+		t.Fatalf("the record whose resolver timed out: %v; want it left unsettled", out.Decision)
+	}
+	if _, err := reconcile.New(reconcile.Config{Engine: w.eng, Resolver: acquirer{}, ResolveTimeout: -time.Second}); !errors.Is(err, idem.ErrInvalid) {
+		t.Fatalf("a negative resolve timeout: %v", err)
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// TestStopCancelsAHungResolver: Stop returns at once, though the resolver
+// would hold the pass for its whole timeout: it cancels the pass.
+func TestStopCancelsAHungResolver(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "hung", false)
+	w.clock.Advance(2 * time.Minute)
+	entered := make(chan struct{}, 1)
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: quiet, // ResolveTimeout: 30 s, the default
+		Resolver: reconcile.ResolverFunc(func(ctx context.Context, _ idem.Record) (reconcile.Resolution, error) {
+			entered <- struct{}{}
+			<-ctx.Done()
+			return reconcile.Resolution{}, ctx.Err()
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Start(ctx)
+	wait.Recv(t, entered, 10*time.Second, "the resolver's call")
+	wait.Done(t, 5*time.Second, "Stop, with the resolver's call in flight", r.Stop)
+	if out := w.decide(t, "hung"); out.Decision != idem.Uncertain {
+		t.Fatalf("the record the stopped pass was on: %v; want it left unsettled", out.Decision)
+	}
+}
+
+// TestStartAfterTheContextEnded: a loop that ended with its context (a
+// request's, a test's) does not keep a later Start from running passes.
+func TestStartAfterTheContextEnded(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "k", false)
+	w.clock.Advance(2 * time.Minute)
+	asked := make(chan struct{}, 10)
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Interval: time.Hour, Logger: quiet,
+		Resolver: reconcile.ResolverFunc(func(ctx context.Context, _ idem.Record) (reconcile.Resolution, error) {
+			if ctx.Err() == nil {
+				asked <- struct{}{}
+			}
+			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	r.Start(ended)
+	r.Start(ctx)
+	wait.Recv(t, asked, 10*time.Second, "a pass of the second Start")
+	r.Stop()
+	if out := w.decide(t, "k"); out.Decision != idem.Execute {
+		t.Fatalf("after the second Start's pass: %v", out.Decision)
+	}
+}
+
+// snapScan runs before once, right after the first scan.
+type snapScan struct {
+	idem.Store
+	before func()
+	done   bool
+}
+
+func (s *snapScan) Scan(ctx context.Context, p store.ScanParams) (store.ScanResult, error) {
+	res, err := s.Store.Scan(ctx, p)
+	if !s.done && s.before != nil {
+		s.done = true
+		s.before()
+	}
+	return res, err
+}
+
+// TestARecordBackInItsGraceIsWaiting: a retry turned an abandoned record
+// UNKNOWN between the scan and the read (its grace starts again); the pass
+// counts it as waiting, not as lost ("settled elsewhere"): it is not
+// settled.
+func TestARecordBackInItsGraceIsWaiting(t *testing.T) {
+	w := newWorld(t)
+	w.begin(t, "k", false)
+	w.clock.Advance(2 * time.Minute)
+	sc := &snapScan{Store: w.store}
+	eng, err := idem.New(idem.Config{Store: sc, Clock: w.clock, Lease: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := reconcile.New(reconcile.Config{Engine: eng, Logger: quiet, Resolver: acquirer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc.before = func() {
+		if out := w.decide(t, "k"); out.Decision != idem.Uncertain {
+			t.Errorf("retry: %v", out.Decision)
+		}
+	}
+	rep, err := r.RunOnce(ctx)
+	if want := (reconcile.Report{Stale: 1, Waiting: 1}); err != nil || rep != want {
+		t.Fatalf("report %+v, %v; want %+v", rep, err, want)
+	}
+}

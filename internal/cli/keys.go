@@ -425,6 +425,10 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		usageError(stderr, fs.Name(), "--resolver-url is required")
 		return 2
 	}
+	if *every <= 0 {
+		usageError(stderr, fs.Name(), fmt.Sprintf("--interval %s: want a positive duration, such as 30s", *every))
+		return 2
+	}
 	log, err := newLog()
 	if err != nil {
 		usageError(stderr, fs.Name(), err.Error())

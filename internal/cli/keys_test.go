@@ -323,3 +323,19 @@ func TestHeaderFlagErrorShowsNoValue(t *testing.T) {
 		t.Fatalf("%d %s; want a usage error that does not quote the header", code, errOut)
 	}
 }
+
+// TestReconcileRefusesANonPositiveInterval: --interval 0s used to run a
+// pass every 30 s (the reconciler's default) without a word.
+func TestReconcileRefusesANonPositiveInterval(t *testing.T) {
+	for _, every := range []string{"0s", "-5s"} {
+		// Bounded: a reconciler that took the flag would run until ctx ends.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		var out, errOut strings.Builder
+		code := cli.Main(ctx, []string{"reconcile", "--store", "sqlite:" + filepath.Join(t.TempDir(), "idem.db"),
+			"--resolver-url", "http://127.0.0.1:1/resolve", "--interval", every}, noEnv, &out, &errOut)
+		cancel()
+		if want := "--interval " + every + ": want a positive duration"; code != 2 || out.Len() > 0 || !strings.Contains(errOut.String(), want) {
+			t.Errorf("reconcile --interval %s: exit %d, stdout %q, stderr %q; want exit 2 and %q", every, code, out.String(), errOut.String(), want)
+		}
+	}
+}
