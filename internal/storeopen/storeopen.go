@@ -1,7 +1,7 @@
 // Package storeopen turns a store DSN into an [idem.Store]. It is the one
 // place that knows every store.
 //
-//	sqlite:PATH                          the embedded default (sqlite:idem.db)
+//	sqlite:PATH                          the embedded default (sqlite:idem.db); a plain path, no ?options
 //	postgres://user@host:5432/db?…       PostgreSQL; ?idem_schema=NAME picks the schema (default idem)
 //	redis://host:6379/0                  Redis; ?idem_prefix=NAME picks the key prefix (default idem)
 //	redis+cluster://host:7000?addr=host:7001&…   Redis Cluster (go-redis cluster URL)
@@ -120,7 +120,7 @@ func OpenExisting(ctx context.Context, dsn string) (*Opened, error) {
 // when there is no file there: opening it would create a new, empty one.
 func Missing(dsn string) (path string, missing bool) {
 	path, ok := sqlitePath(dsn)
-	if !ok || path == "" {
+	if !ok || path == "" || strings.ContainsAny(path, "?#") { // refused by Open
 		return "", false
 	}
 	if _, err := os.Stat(path); !errors.Is(err, fs.ErrNotExist) {
@@ -194,6 +194,12 @@ func open(ctx context.Context, dsn string) (*Opened, error) {
 		path, _ := sqlitePath(dsn)
 		if path == "" {
 			return nil, fmt.Errorf("%w: store %q: sqlite needs a path, as in sqlite:idem.db", idem.ErrInvalid, dsn)
+		}
+		if i := strings.IndexAny(path, "?#"); i >= 0 {
+			// SQLite's URI options (file:PATH?cache=shared) would be read
+			// as part of the file name: a new, empty database elsewhere.
+			return nil, fmt.Errorf("%w: store %s%s…: a SQLite store is a plain file path, with no options (no %q in it): use %s:%s",
+				idem.ErrInvalid, dsn[:len(dsn)-len(path)], path[:i], path[i], scheme, path[:i])
 		}
 		s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path})
 		if err != nil {

@@ -291,3 +291,55 @@ func TestNothingToReleaseWhenTheStoreNeverOpened(t *testing.T) {
 		t.Fatalf("%d files in the journal; want none: nothing was sent to the store", len(files))
 	}
 }
+
+// TestSQLiteDSNIsAPlainPath: a SQLite DSN with options (file:PATH?cache=shared,
+// the URI form SQLite drivers document) is refused, naming the path to use:
+// it opened a new, empty database named "idem.db?cache=shared" next to the
+// one holding the outcomes, and a completed key ran again. A path written
+// with a leading // (sqlite:////data/idem.db) is the file it names.
+func TestSQLiteDSNIsAPlainPath(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "idem.db")
+	fp := idem.NewFingerprint(idem.Payload{Method: "POST", Body: []byte("x")})
+	use := func(dsn string) (idem.Decision, error) {
+		o, err := storeopen.Open(ctx, dsn)
+		if err != nil {
+			return 0, err
+		}
+		defer o.Close()
+		e, err := idem.New(idem.Config{Store: o.Store})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer e.Close(ctx)
+		out, err := e.Begin(ctx, idem.BeginParams{Key: "charge-1", Fingerprint: fp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out.Decision == idem.Execute {
+			if err := e.Complete(ctx, out.Lease, &idem.Response{Status: 201}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return out.Decision, nil
+	}
+	if d, err := use("sqlite:" + path); err != nil || d != idem.Execute {
+		t.Fatal(d, err)
+	}
+	for _, dsn := range []string{"file:" + path + "?cache=shared", "sqlite://" + path + "?_busy_timeout=5000", "sqlite:" + path + "#x"} {
+		d, err := use(dsn)
+		if !errors.Is(err, idem.ErrInvalid) || !strings.Contains(err.Error(), ":"+path) {
+			t.Errorf("%s: %v, %v; want ErrInvalid naming the path to use", dsn, d, err)
+		}
+		if _, err := storeopen.OpenExisting(ctx, dsn); !errors.Is(err, idem.ErrInvalid) || strings.Contains(err.Error(), "no database") {
+			t.Errorf("OpenExisting(%s): %v; want the same refusal", dsn, err)
+		}
+	}
+	if d, err := use("sqlite:///" + path); err != nil || d != idem.Replay {
+		t.Errorf("sqlite:///%s: %v, %v; want the replay", path, d, err)
+	}
+	if names, _ := filepath.Glob(filepath.Join(dir, "*")); len(names) != 1 {
+		t.Errorf("the directory holds %q; want idem.db alone", names)
+	}
+}

@@ -75,6 +75,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/idemhq/idem/store"
@@ -103,9 +105,19 @@ type Config struct {
 }
 
 // Store keeps records in a SQLite database. Close it when done.
+//
+// Its errors wrap [store.ErrUnavailable] when the database stays locked by
+// another process, cannot be opened or read (an I/O error, a full disk), the
+// store is closed, or a call is not done by its deadline. Those wrap
+// [store.ErrDenied] too when the file or its directory refuses access
+// (permissions, a read-only mount): the file may hold the record, so it is
+// never a reason to fail open. A damaged database, or a file that is not
+// one, is neither: the store answered, with records it cannot read.
 type Store struct {
-	db    *sql.DB
-	owner string // names this store in its scan cursors
+	db     *sql.DB
+	path   string      // the database file, as configured
+	owner  string      // names this store in its scan cursors
+	closed atomic.Bool // Close was called: every call is unavailable
 	// writes group-commits the writes of this process, one transaction at
 	// a time (SQLite has one writer), on conn.
 	writes store.Batcher[func(context.Context, *txn) error]
@@ -140,7 +152,8 @@ const (
 var migrations embed.FS
 
 // Open opens (creating if needed) the database at cfg.Path and applies the
-// embedded migrations.
+// embedded migrations. Its errors name the file, and wrap the root's
+// sentinels as [Store]'s calls do.
 func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Path == "" {
 		return nil, fmt.Errorf("%w: sqlitestore: no path", store.ErrInvalid)
@@ -164,20 +177,26 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
 		f.Close()
 	}
-	dsn := "file:" + (&url.URL{Path: cfg.Path}).EscapedPath() + "?" + q.Encode()
-	db, err := sql.Open("sqlite", dsn)
+	// An absolute path goes after an empty authority (file:///data/idem.db),
+	// so that one starting with // is not read as file://authority/path.
+	file := (&url.URL{Path: cfg.Path}).EscapedPath()
+	if strings.HasPrefix(file, "/") {
+		file = "//" + file
+	}
+	db, err := sql.Open("sqlite", "file:"+file+"?"+q.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("sqlitestore: open %s: %w", cfg.Path, err)
 	}
-	s := &Store{db: db, owner: "sqlitestore:" + cfg.Path}
+	s := &Store{db: db, path: cfg.Path, owner: "sqlitestore:" + cfg.Path}
 	s.writes.Run = s.commit
 	if err := s.migrate(ctx); err != nil {
 		db.Close()
-		return nil, err
+		return nil, s.translate("open "+cfg.Path+": migrate", err)
 	}
 	if err := s.prepare(ctx); err != nil {
-		s.Close()
-		return nil, translate("prepare", err)
+		err = s.translate("open "+cfg.Path+": prepare", err)
+		s.Close() // the statements prepared and the connections opened so far
+		return nil, err
 	}
 	return s, nil
 }
@@ -210,12 +229,35 @@ func (s *Store) prepare(ctx context.Context) (err error) {
 // transactions that [Store.FinishTx] joins.
 func (s *Store) DB() *sql.DB { return s.db }
 
-// Close closes the database.
+// Close closes the database: its statements and every connection, so the
+// file is released and, unless another process has it open, its WAL is
+// checkpointed into it and removed (the database file alone then holds
+// every record). Calls after Close fail with [store.ErrUnavailable].
 func (s *Store) Close() error {
-	if s.conn != nil {
-		s.conn.Close()
+	s.closed.Store(true)
+	var errs []error
+	// A connection is closed only once no statement prepared on it is
+	// open: database/sql would keep it (and the file) open for ever.
+	for _, st := range []*sql.Stmt{s.beginStmt, s.commitStmt, s.rollbackStmt} {
+		if st != nil {
+			errs = append(errs, st.Close())
+		}
 	}
-	return s.db.Close()
+	for _, st := range s.onConn {
+		if st != nil {
+			errs = append(errs, st.Close())
+		}
+	}
+	for _, st := range []*sql.Stmt{s.getStmt, s.insertStmt, s.createStmt, s.updateStmt, s.settleStmt} {
+		if st != nil {
+			errs = append(errs, st.Close())
+		}
+	}
+	if s.conn != nil {
+		s.conn.Close() // back to the pool, which db.Close closes
+	}
+	errs = append(errs, s.db.Close())
+	return errors.Join(errs...)
 }
 
 // migrate applies, in order, the embedded migrations not yet applied to the
@@ -234,7 +276,7 @@ func (s *Store) migrate(ctx context.Context) error {
 	slices.Sort(names)
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
-		return translate("migrate", err)
+		return err
 	}
 	defer tx.Rollback()
 	err = func() error {
@@ -297,7 +339,7 @@ func (s *Store) migrate(ctx context.Context) error {
 	if err == nil {
 		err = tx.Commit()
 	}
-	return translate("migrate", err)
+	return err
 }
 
 const columns = `scope, key, state, fingerprint, token, fence, lease_expires, takeover_safe, response, created, updated, expires, checkpoints`
@@ -312,7 +354,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 	// under the write lock below.
 	existing, err := s.get(ctx, nil, p.Scope, p.Key)
 	if err != nil {
-		return store.Record{}, translate("acquire", err)
+		return store.Record{}, s.translate("acquire", err)
 	}
 	if existing != nil {
 		if next, write := p.Apply(existing); !write {
@@ -428,7 +470,7 @@ func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) erro
 		return err
 	}
 	p.Repeat = false // the caller's writes in tx must never commit twice
-	return translate("finish", s.finish(ctx, &txn{tx: stx}, p))
+	return s.translate("finish", s.finish(ctx, &txn{tx: stx}, p))
 }
 
 // write runs fn in a write transaction and returns once that transaction is
@@ -436,7 +478,7 @@ func (s *Store) FinishTx(ctx context.Context, tx any, p store.FinishParams) erro
 // writes that arrive while a transaction commits wait for it, and the next
 // transaction runs them all, each in turn, with one fsync for all of them.
 func (s *Store) write(ctx context.Context, op string, fn func(context.Context, *txn) error) error {
-	return translate(op, s.writes.Do(ctx, fn))
+	return s.translate(op, s.writes.Do(ctx, fn))
 }
 
 // commit runs a batch of writes in one transaction. A write that fails is
@@ -512,7 +554,7 @@ func (s *Store) Get(ctx context.Context, p store.GetParams) (store.Record, error
 	}
 	r, err := s.get(ctx, nil, p.Scope, p.Key)
 	if err != nil {
-		return store.Record{}, translate("get", err)
+		return store.Record{}, s.translate("get", err)
 	}
 	if r == nil || !r.Live(p.Now) {
 		return store.Record{}, store.ErrNotFound
@@ -573,14 +615,14 @@ func (s *Store) page(ctx context.Context, op, cursor string, size int, where str
 		WHERE `+where+` AND (scope > ? OR (scope = ? AND key > ?))
 		ORDER BY scope, key LIMIT ?`, append(args, scope, scope, key, size+1)...)
 	if err != nil {
-		return store.ScanResult{}, translate(op, err)
+		return store.ScanResult{}, s.translate(op, err)
 	}
 	defer rows.Close()
 	var res store.ScanResult
 	for rows.Next() {
 		r, err := scanRecord(rows)
 		if err != nil {
-			return store.ScanResult{}, translate(op, err)
+			return store.ScanResult{}, s.translate(op, err)
 		}
 		if len(res.Records) == size {
 			last := res.Records[len(res.Records)-1]
@@ -589,7 +631,7 @@ func (s *Store) page(ctx context.Context, op, cursor string, size int, where str
 		}
 		res.Records = append(res.Records, *r)
 	}
-	return res, translate(op, rows.Err())
+	return res, s.translate(op, rows.Err())
 }
 
 // Prune implements [store.Store].
@@ -700,11 +742,12 @@ func scanRecord(row interface{ Scan(...any) error }) (*store.Record, error) {
 	return &r, nil
 }
 
-// translate maps driver errors into the root's vocabulary: a database that
-// stays locked or busy, cannot be opened or read, or a call not done by its
-// deadline is unavailable; the root's sentinels and a cancellation pass
-// through.
-func translate(op string, err error) error {
+// translate maps driver errors into the root's vocabulary, as [Store]'s
+// doc says: SQLITE_BUSY, LOCKED, IOERR, FULL, a closed store and a deadline
+// are unavailable; READONLY, PERM, AUTH, and CANTOPEN for lack of
+// permissions, are denied ([store.Denied]); CORRUPT, NOTADB and the rest
+// are plain errors. The root's sentinels and a cancellation pass through.
+func (s *Store) translate(op string, err error) error {
 	if err == nil || errors.Is(err, store.ErrLeaseLost) || errors.Is(err, store.ErrNotFound) ||
 		errors.Is(err, store.ErrInvalid) || errors.Is(err, context.Canceled) {
 		return err
@@ -717,15 +760,41 @@ func translate(op string, err error) error {
 	var se *sqlite.Error
 	if errors.As(err, &se) {
 		switch se.Code() & 0xff {
-		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR,
-			sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT:
+		case sqlite3.SQLITE_CANTOPEN:
+			// SQLite does not say why: ask the file system, which may
+			// refuse access.
+			if why := s.whyNotOpen(); why != nil {
+				err = fmt.Errorf("%w: %w", err, why)
+			}
+			if errors.Is(err, fs.ErrPermission) || errors.Is(err, syscall.EROFS) {
+				return fmt.Errorf("sqlitestore: %s: %w", op, store.Denied(err))
+			}
+			return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
+		case sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH:
+			return fmt.Errorf("sqlitestore: %s: %w", op, store.Denied(err))
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL:
 			return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 		}
 	}
-	if errors.Is(err, sql.ErrConnDone) || strings.Contains(err.Error(), "database is closed") {
+	if s.closed.Load() || errors.Is(err, sql.ErrConnDone) || strings.Contains(err.Error(), "database is closed") {
 		return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("sqlitestore: %s: %w", op, err)
+}
+
+// whyNotOpen is the file system's reason, if any, why the database file
+// cannot be opened (or created) for reading and writing.
+func (s *Store) whyNotOpen() error {
+	f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			return pe.Err // the reason alone: the path is the store's
+		}
+		return err
+	}
+	f.Close()
+	return nil
 }
 
 var _ store.DurabilityReporter = (*Store)(nil)
@@ -737,10 +806,10 @@ func (s *Store) Durability(ctx context.Context) (store.Durability, error) {
 	var mode string
 	var sync int
 	if err := s.db.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
-		return store.Durability{}, translate("durability", err)
+		return store.Durability{}, s.translate("durability", err)
 	}
 	if err := s.db.QueryRowContext(ctx, "PRAGMA synchronous").Scan(&sync); err != nil {
-		return store.Durability{}, translate("durability", err)
+		return store.Durability{}, s.translate("durability", err)
 	}
 	names := map[int]string{0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
 	d := store.Durability{Detail: fmt.Sprintf("journal_mode=%s, synchronous=%s", mode, names[sync])}
