@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"maps"
 	"net"
@@ -57,7 +58,13 @@ func storedHeader(h http.Header, allow map[string]bool) http.Header {
 			drop[http.CanonicalHeaderKey(strings.TrimSpace(name))] = true
 		}
 	}
-	kept := func(name string) bool { return !neverStored[name] && !drop[name] && (allow == nil || allow[name]) }
+	kept := func(name string) bool {
+		// A trailer set under http.TrailerPrefix is judged by its own name.
+		if len(name) > len(http.TrailerPrefix) && strings.EqualFold(name[:len(http.TrailerPrefix)], http.TrailerPrefix) {
+			name = http.CanonicalHeaderKey(name[len(http.TrailerPrefix):])
+		}
+		return !neverStored[name] && !drop[name] && (allow == nil || allow[name])
+	}
 	n, values := 0, 0
 	for name, vs := range h {
 		if kept(name) {
@@ -162,7 +169,12 @@ func newCapture(w http.ResponseWriter, limit int64) *capture {
 // the body is written, after the response was passed through too.
 func (c *capture) Header() http.Header { return c.header }
 
+// WriteHeader panics on a status that is not three digits, as net/http's
+// does: the handler stops there, and its outcome is unknown.
 func (c *capture) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if c.status != 0 || c.hijacked {
 		return
 	}
@@ -269,7 +281,7 @@ func (c *capture) passThrough() {
 	// kept) until the record expires, unless what is known now releases
 	// the key or leaves the record UNKNOWN, which never expires.
 	if c.call != nil {
-		if v := c.call.verdict.Load(); v == verdictDefault && !releases(v, c.status) {
+		if v := c.call.verdict.Load(); v == verdictDefault && !c.call.m.releases(v, c.status) {
 			h.Set(HeaderExpires, c.call.expires())
 		}
 	}

@@ -30,6 +30,20 @@
 // the key and the next retry runs. A panic marks the outcome unknown. The
 // handler's context is not cancelled when the client goes away (its outcome
 // is stored for the retry), but it is cancelled when the lease is lost.
+//
+// # A 429 or 503 releases the key, whoever writes it
+//
+// Any 429 or 503 written inside Wrap releases the key: the handler's own,
+// http.TimeoutHandler's, a reverse proxy's passing on an upstream's. The
+// middleware takes it as "nothing happened", and the retry runs again. Put
+// http.TimeoutHandler outside Wrap, never inside: inside, it writes its 503
+// when its timer fires while the handler it wraps goes on running (the card
+// is still charged), and that 503 looks like any other, so the retry would
+// run the charge a second time. Outside, its deadline ends the request's
+// context, the handler goes on detached, its outcome is stored, and the
+// retry gets it (or 409 in-progress meanwhile). Where a 429 or 503 may come
+// after an effect, set [Config.ExplicitRelease]: only [NothingHappened] then
+// releases the key.
 package httpidem
 
 import (
@@ -49,6 +63,7 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -222,11 +237,24 @@ type Config struct {
 	// Retention overrides the engine's retention for these requests.
 	// Defaults to the engine's.
 	Retention time.Duration `yaml:"retention"`
+	// ExplicitRelease makes only [NothingHappened] release the key: a 429 or
+	// 503 the handler writes is then stored and replayed like any other
+	// status (a 500). Set it when a 429 or 503 from inside Wrap may follow
+	// an effect: an http.TimeoutHandler inside Wrap (whose 503 is written
+	// while the handler it wraps goes on running; better, put it outside),
+	// a proxy passing on an upstream's 503 after the upstream may have
+	// acted. Defaults to false: a 429 or 503 means "nothing happened", and
+	// the retry runs (see the package doc).
+	ExplicitRelease bool `yaml:"explicit_release"`
 	// FailOpen runs the handler unprotected when the store cannot be
 	// reached (an error wrapping [idem.ErrUnavailable]), instead of
 	// answering 503; never when the store answered, with an error of
 	// another kind (a record it cannot read) or refusing access
-	// ([idem.ErrDenied]: a password or permission rotated). Defaults to
+	// ([idem.ErrDenied]: a password or permission rotated), and never
+	// while another request with the same key is served by this
+	// middleware: a duplicate of one running here (with the store's lease
+	// or failed open) gets 409 in-progress, of one that completed here
+	// while the duplicate waited its replay, and any other 503. Defaults to
 	// false: fail closed.
 	FailOpen bool `yaml:"fail_open"`
 	// Logger receives a line per problem. Keys are logged as a hash, never
@@ -252,6 +280,7 @@ const (
 	ObservedNoKey         = "no_key"         // no key, none required: ran unprotected
 	ObservedRejected      = "rejected"       // 413 or an unreadable body
 	ObservedClientGone    = "client_gone"    // the client went away before anything ran
+	ObservedMisconfigured = "misconfigured"  // 500: the engine refused the request's scope or the config
 )
 
 type keyHashKey struct{}
@@ -280,6 +309,7 @@ type Middleware struct {
 	methods map[string]bool
 	allow   map[string]bool
 	log     *slog.Logger
+	active  active // with FailOpen: the keyed requests served now
 }
 
 // New checks cfg and returns the middleware.
@@ -379,7 +409,7 @@ type call struct {
 	m       *Middleware
 	lease   idem.Lease
 	verdict atomic.Int32
-	settled atomic.Bool // the handler settled the record itself (Finish)
+	settled atomic.Pointer[idem.Response] // what the handler stored itself (Finish)
 }
 
 // expires is the Idempotency-Expires of the call's outcome if it were
@@ -396,8 +426,94 @@ const (
 
 // releases reports whether a call that ends with verdict and status has
 // its key released (its retry runs again), not its outcome stored.
-func releases(verdict int32, status int) bool {
-	return verdict == verdictNothing || status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable
+func (m *Middleware) releases(verdict int32, status int) bool {
+	return verdict == verdictNothing ||
+		!m.cfg.ExplicitRelease && (status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable)
+}
+
+// active are the keyed requests a middleware with FailOpen serves now, by
+// record: what it knows of a key when the store cannot be reached, so that
+// it never runs a request unprotected while another with its key runs here.
+type active struct {
+	mu sync.Mutex
+	m  map[activeKey]*activity
+}
+
+type activeKey struct{ scope, key string }
+
+// activity is what the requests served now for one key know of it.
+type activity struct {
+	members int // requests for the key being served
+	running int // of them, running the handler
+	// outcome is the outcome a run here stored, for the payload whose
+	// fingerprint is fp; ran alone says a run here ended without one.
+	outcome *idem.Response
+	ran     bool
+	fp      idem.Fingerprint
+}
+
+// enter counts a request for scope and key in.
+func (a *active) enter(scope, key string) *activity {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.m == nil {
+		a.m = map[activeKey]*activity{}
+	}
+	id := activeKey{scope, key}
+	act := a.m[id]
+	if act == nil {
+		act = &activity{}
+		a.m[id] = act
+	}
+	act.members++
+	return act
+}
+
+// leave counts the request out: the last one forgets the key.
+func (a *active) leave(scope, key string, act *activity) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if act.members--; act.members == 0 {
+		delete(a.m, activeKey{scope, key})
+	}
+}
+
+// run notes that a request runs the handler.
+func (a *active) run(act *activity) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	act.running++
+}
+
+// ran notes that a run ended, having stored outcome (nil: none, or not
+// known) for the request whose fingerprint is fp.
+func (a *active) ran(act *activity, fp idem.Fingerprint, outcome *idem.Response) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	act.running--
+	act.ran = true
+	if outcome != nil {
+		act.outcome, act.fp = outcome, fp
+	}
+}
+
+// failOpen decides for a request whose store cannot be reached: it may run
+// unprotected (and then counts as running) only when it is the only request
+// for its key served here; otherwise it gets 409 in-progress while another
+// runs, the outcome stored here for its payload, or nothing (a 503).
+func (a *active) failOpen(act *activity, fp idem.Fingerprint) (run, inFlight bool, outcome *idem.Response) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case act.running > 0:
+		return false, true, nil
+	case act.outcome != nil && act.fp == fp:
+		return false, false, act.outcome
+	case act.members > 1 || act.ran:
+		return false, false, nil
+	}
+	act.running++
+	return true, false, nil
 }
 
 type callKey struct{}
@@ -485,7 +601,7 @@ func Finish(w http.ResponseWriter, r *http.Request, resp *idem.Response, commit 
 	if err != nil {
 		return err
 	}
-	c.settled.Store(true)
+	c.settled.Store(stored)
 	h := w.Header()
 	for name, values := range header {
 		h[name] = values
@@ -547,6 +663,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Scope: scope, Key: key, Fingerprint: m.fingerprint(r, body),
 		Lease: m.cfg.Lease, Retention: m.cfg.Retention, TakeoverSafe: m.cfg.TakeoverSafe,
 	}
+	var act *activity
+	if m.cfg.FailOpen {
+		act = m.active.enter(scope, key)
+		defer m.active.leave(scope, key, act)
+	}
 	if m.cfg.Observe != nil { // KeyHashOf, for what it is told
 		r = r.WithContext(context.WithValue(r.Context(), keyHashKey{}, idem.KeyHash(scope, key)))
 	}
@@ -577,6 +698,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	if err != nil {
 		if errors.Is(err, idem.ErrInvalid) {
+			m.observe(r, ObservedMisconfigured)
 			log().Error("idempotency: invalid input", "err", err)
 			(&Problem{Type: ProblemIdempotencyFailed, Title: "Idempotency misconfigured", Status: http.StatusInternalServerError,
 				Detail: "the server's idempotency scope is invalid"}).Write(w)
@@ -586,10 +708,28 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// answered with an error (a record it cannot read) may hold an
 		// outcome, and running the handler again would run it twice.
 		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && !errors.Is(err, idem.ErrDenied) && r.Context().Err() == nil {
-			m.observe(r, ObservedFailOpen)
-			log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
-			next.ServeHTTP(Ignored(w, "the idempotency store could not be reached: the request ran without idempotency (fail-open)"), r)
-			return
+			// Never for a key served here meanwhile: its duplicate would run
+			// twice in this very process.
+			run, inFlight, outcome := m.active.failOpen(act, params.Fingerprint)
+			switch {
+			case run:
+				m.observe(r, ObservedFailOpen)
+				log().Warn("idempotency store unavailable: running unprotected (fail-open)", "err", err)
+				defer m.active.ran(act, params.Fingerprint, nil)
+				next.ServeHTTP(Ignored(w, "the idempotency store could not be reached: the request ran without idempotency (fail-open)"), r)
+				return
+			case inFlight:
+				m.observe(r, ObservedInFlight)
+				log().Warn("idempotency store unavailable: a request with this key runs here, not failing open", "err", err)
+				inProgress(w, InProgressRetryAfter)
+				return
+			case outcome != nil:
+				m.observe(r, ObservedReplayed)
+				log().Warn("idempotency store unavailable: replaying the outcome stored here, not failing open", "err", err)
+				replay(w, outcome)
+				return
+			}
+			log().Warn("idempotency store unavailable: a request with this key was served here, not failing open", "err", err)
 		}
 		m.observe(r, ObservedStoreError)
 		log().Error("idempotency store unavailable: refusing (fail-closed)", "err", err)
@@ -600,16 +740,17 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	switch out.Decision {
 	case idem.Execute:
 		if r.Context().Err() != nil {
-			// Gone before anything ran: release the key for its retry.
-			m.observe(r, ObservedClientGone)
+			// Gone before anything ran: release the key for its retry (then
+			// tell Observe, which may look at the record).
 			if err := m.cfg.Engine.Release(context.WithoutCancel(r.Context()), out.Lease); err != nil {
 				log().Error("idempotency: cannot release the key of a request whose client went away", "err", err)
 			}
+			m.observe(r, ObservedClientGone)
 			notRun(w)
 			return
 		}
 		m.observe(r, ObservedExecuted)
-		m.execute(w, r, next, out.Lease, log)
+		m.execute(w, r, next, out.Lease, act, log)
 	case idem.Replay:
 		if out.Record.Response.BodyOmitted {
 			m.observe(r, ObservedNotReplayable)
@@ -702,9 +843,15 @@ func decoded(h http.Header, body []byte, limit int64) []byte {
 	return out
 }
 
-// execute runs the handler under the lease and settles the record.
-func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, log func() *slog.Logger) {
+// execute runs the handler under the lease and settles the record; act,
+// when set, learns of the run and its stored outcome.
+func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, lease idem.Lease, act *activity, log func() *slog.Logger) {
 	eng := m.cfg.Engine
+	ran := func(outcome *idem.Response) {}
+	if act != nil {
+		m.active.run(act)
+		ran = func(outcome *idem.Response) { m.active.ran(act, lease.Fingerprint, outcome) }
+	}
 	// The client going away must not stop the work (its retry wants the
 	// outcome), and neither it nor a lost lease may stop the outcome from
 	// being written.
@@ -724,12 +871,14 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			status = http.StatusOK
 		}
 		var err error
+		var stored *idem.Response
 		switch verdict := state.verdict.Load(); {
-		case state.settled.Load():
+		case state.settled.Load() != nil:
 			// The handler settled the record in its own transaction (Finish).
+			stored = state.settled.Load()
 		case verdict == verdictUnknown:
 			err = eng.MarkUnknown(settle, lease)
-		case releases(verdict, status):
+		case m.releases(verdict, status):
 			err = eng.Release(settle, lease)
 		default:
 			resp := &idem.Response{Status: status, Header: storedHeader(c.Header(), m.allow)}
@@ -738,10 +887,22 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			} else {
 				resp.Body = c.body.Bytes()
 			}
-			if err = eng.Complete(settle, lease, resp); err == nil && !c.omitted() {
-				expires = resp.Header.Get(HeaderExpires)
+			err = eng.Complete(settle, lease, resp)
+			switch {
+			case err == nil:
+				stored = resp
+				if !c.omitted() {
+					expires = resp.Header.Get(HeaderExpires)
+				}
+			case errors.Is(err, idem.ErrInvalid):
+				// The store refused the outcome as malformed; the handler
+				// ran all the same: its outcome is unknown, not in progress
+				// until the lease runs out.
+				log().Error("idempotency: outcome refused by the store; marking it unknown", "status", status, "err", err)
+				err = eng.MarkUnknown(settle, lease)
 			}
 		}
+		ran(stored)
 		if err != nil {
 			// The engine retries a write whose answer was lost and keeps the
 			// outcome in its journal while the store is away, so this is a
@@ -775,6 +936,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		} else {
 			err = eng.MarkUnknown(settle, lease)
 		}
+		ran(nil)
 		log().Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[m.cfg.TakeoverSafe], "err", err)
 	}()
 	next.ServeHTTP(c, r.WithContext(ctx))

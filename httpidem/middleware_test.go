@@ -1442,3 +1442,264 @@ func TestLargestBodyLimitMeansNone(t *testing.T) {
 	}
 	wantProblem(t, send(t, srv, "POST", "/pay", "k", `{"amount":999999}`), 422, httpidem.ProblemPayloadMismatch)
 }
+
+// TestTimeoutHandlerInsideWrapWithExplicitRelease: http.TimeoutHandler
+// inside the middleware writes its 503 when its timer fires while the
+// handler it wraps goes on (the card is charged). By default a 503 releases
+// the key (DESIGN: it means "nothing happened"), so the retry would run the
+// charge again; with ExplicitRelease only NothingHappened releases it, and
+// the retry gets the stored 503 instead of a second run.
+func TestTimeoutHandlerInsideWrapWithExplicitRelease(t *testing.T) {
+	eng := newEngine(t, memstore.New())
+	var runs atomic.Int64
+	release, done := make(chan struct{}), make(chan struct{}, 2)
+	inner := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() { done <- struct{}{} }()
+		runs.Add(1)
+		select { // the acquirer is slow: the TimeoutHandler's timer fires first
+		case <-release:
+		case <-time.After(time.Minute):
+		}
+		io.WriteString(w, `{"charged":true}`)
+	})
+	srv := serve(t, httpidem.Config{Engine: eng, ExplicitRelease: true, Wait: -1}, http.TimeoutHandler(inner, 20*time.Millisecond, "timed out"))
+	first := send(t, srv, "POST", "/charges", "k", `{"amount":100}`)
+	retry := send(t, srv, "POST", "/charges", "k", `{"amount":100}`)
+	close(release)
+	wait.Recv(t, done, 10*time.Second, "the charge to finish")
+	if first.status != 503 || retry.status != 503 || retry.header.Get(httpidem.HeaderReplayed) != "true" || runs.Load() != 1 {
+		t.Fatalf("first %d, retry %d (replayed %q), %d charges; want the 503 stored and replayed, one charge",
+			first.status, retry.status, retry.header.Get(httpidem.HeaderReplayed), runs.Load())
+	}
+	// NothingHappened still releases the key.
+	a := &app{handler: func(w http.ResponseWriter, r *http.Request) {
+		httpidem.NothingHappened(r)
+		w.WriteHeader(503)
+	}}
+	srv = serve(t, httpidem.Config{Engine: eng, ExplicitRelease: true}, a)
+	send(t, srv, "POST", "/refused", "k2", "x")
+	send(t, srv, "POST", "/refused", "k2", "x")
+	if a.runs.Load() != 2 {
+		t.Fatalf("a declared NothingHappened ran %d times; want the retry to run", a.runs.Load())
+	}
+}
+
+// TestTimeoutHandlerOutsideWrapRunsOnce: where the package doc puts
+// http.TimeoutHandler, outside Wrap, its 503 reaches the client while the
+// handler goes on detached; the outcome is stored and the retry replays it.
+func TestTimeoutHandlerOutsideWrapRunsOnce(t *testing.T) {
+	eng := newEngine(t, memstore.New())
+	g := newGate()
+	a := &app{handler: g.ServeHTTP}
+	mw, err := httpidem.New(httpidem.Config{Engine: eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(http.TimeoutHandler(mw.Wrap(a), time.Second, "timed out"))
+	t.Cleanup(srv.Close)
+	first := make(chan reply, 1)
+	go func() { first <- send(t, srv, "POST", "/pay", "k", "x") }()
+	wait.Recv(t, g.started, 10*time.Second, "the handler to start")
+	if r := wait.Recv(t, first, 10*time.Second, "the TimeoutHandler's answer"); r.status != 503 {
+		t.Fatalf("first = %d, want the TimeoutHandler's 503", r.status)
+	}
+	close(g.release)
+	wait.Until(t, 10*time.Second, "the outcome to be stored", func() bool {
+		rec, err := eng.Get(context.Background(), "", "k")
+		return err == nil && rec.State == idem.StateCompleted
+	})
+	if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 || r.header.Get(httpidem.HeaderReplayed) != "true" || a.runs.Load() != 1 {
+		t.Fatalf("retry %d (replayed %q), ran %d times; want the replay of the one run", r.status, r.header.Get(httpidem.HeaderReplayed), a.runs.Load())
+	}
+}
+
+// TestTrailerPrefixedSecretsAreNeverStored: a cookie or credential sent as
+// a trailer under http.TrailerPrefix is judged by its name, as a header is:
+// never stored nor replayed. Another trailer so sent is replayed, and an
+// allowlist names it as it names a header.
+func TestTrailerPrefixedSecretsAreNeverStored(t *testing.T) {
+	for _, allow := range [][]string{nil, {"X-Rows"}} {
+		eng := newEngine(t, memstore.New())
+		srv := serve(t, httpidem.Config{Engine: eng, StoreHeaders: allow}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, "ok")
+			w.Header().Set(http.TrailerPrefix+"Set-Cookie", "session=secret")
+			w.Header().Set(http.TrailerPrefix+"authorization", "Bearer sk_live_secret")
+			w.Header().Set(http.TrailerPrefix+"X-Rows", "2")
+		}))
+		for _, which := range []string{"first", "replay"} {
+			req, _ := http.NewRequest("POST", srv.URL+"/c", strings.NewReader("{}"))
+			req.Header.Set("Idempotency-Key", "k")
+			resp, err := srv.Client().Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if got := resp.Trailer.Get("X-Rows"); got != "2" {
+				t.Errorf("allow %v, %s: trailer X-Rows %q, want 2", allow, which, got)
+			}
+			secrets := resp.Trailer.Get("Set-Cookie") + resp.Trailer.Get("Authorization")
+			if replayed := resp.Header.Get(httpidem.HeaderReplayed) == "true"; replayed != (which == "replay") || (replayed && secrets != "") {
+				t.Errorf("allow %v, %s: replayed %v, trailers %v; a replay carries no cookie or credential", allow, which, replayed, resp.Trailer)
+			}
+		}
+		rec, err := eng.Get(context.Background(), "", "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for name, v := range rec.Response.Header {
+			if strings.Contains(strings.Join(v, ","), "secret") {
+				t.Errorf("allow %v: stored header %q = %q: a cookie or credential kept in the record", allow, name, v)
+			}
+		}
+	}
+}
+
+// switchStore's Acquire can be made unreachable mid-test.
+type switchStore struct {
+	idem.Store
+	down atomic.Bool
+}
+
+func (s *switchStore) Acquire(ctx context.Context, p store.AcquireParams) (idem.Record, error) {
+	if s.down.Load() {
+		return idem.Record{}, fmt.Errorf("dial tcp: connection refused: %w", idem.ErrUnavailable)
+	}
+	return s.Store.Acquire(ctx, p)
+}
+
+// TestFailOpenNeverRunsADuplicateOfALocalRun: with FailOpen, a duplicate
+// that reaches the process running its key while the store cannot be
+// reached is not run unprotected: it gets 409 in-progress while the first
+// runs (with or without the store's lease), or the first's outcome when it
+// finished while the duplicate waited.
+func TestFailOpenNeverRunsADuplicateOfALocalRun(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		wait     time.Duration
+		downFrom string // "start": the first itself fails open
+	}{{"no wait", -1, ""}, {"no wait, first failed open", -1, "start"}, {"wait", time.Minute, ""}} {
+		t.Run(c.name, func(t *testing.T) {
+			st := &switchStore{Store: memstore.New()}
+			st.down.Store(c.downFrom == "start")
+			eng, err := idem.New(idem.Config{Store: st, StoreTimeout: 200 * time.Millisecond, Poll: time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			g := newGate()
+			a := &app{handler: g.ServeHTTP}
+			srv := serve(t, httpidem.Config{Engine: eng, FailOpen: true, Wait: c.wait}, a)
+			first, second := make(chan reply, 1), make(chan reply, 1)
+			go func() { first <- send(t, srv, "POST", "/c", "k", "{}") }()
+			wait.Recv(t, g.started, 10*time.Second, "the first to run")
+			st.down.Store(true)
+			go func() { second <- send(t, srv, "POST", "/c", "k", "{}") }()
+			var dup reply
+			if c.wait > 0 {
+				wait.Until(t, 10*time.Second, "the duplicate to wait for the first", func() bool { return eng.Waiting("", "k") == 1 })
+				close(g.release)
+				dup = wait.Recv(t, second, 10*time.Second, "the duplicate's answer")
+				if dup.status != 201 || dup.body != "done" || dup.header.Get(httpidem.HeaderReplayed) != "true" {
+					t.Errorf("duplicate that waited: %d %q (replayed %q, ignored %q); want the first's replay",
+						dup.status, dup.body, dup.header.Get(httpidem.HeaderReplayed), dup.header.Get(httpidem.HeaderIgnored))
+				}
+			} else {
+				select {
+				case dup = <-second:
+				case <-g.started: // the duplicate runs too
+					close(g.release)
+					t.Fatalf("the duplicate ran (fail-open) while the first ran here")
+				case <-time.After(10 * time.Second):
+					t.Fatalf("waited 10s for the duplicate's answer")
+				}
+				close(g.release)
+				if dup.status != 409 || dup.problem.Type != httpidem.ProblemInProgress {
+					t.Errorf("duplicate: %d %q (ignored %q); want 409 in-progress", dup.status, dup.problem.Type, dup.header.Get(httpidem.HeaderIgnored))
+				}
+			}
+			if r := wait.Recv(t, first, 10*time.Second, "the first's answer"); r.status != 201 {
+				t.Errorf("first = %d", r.status)
+			}
+			if a.runs.Load() != 1 {
+				t.Fatalf("ran %d times; want once", a.runs.Load())
+			}
+		})
+	}
+}
+
+// TestInvalidStatusPanicsAsNetHTTP: WriteHeader with a status net/http
+// refuses panics, as net/http's does, so the handler stops there and the
+// record is marked unknown at once (it stayed IN_PROGRESS until its lease
+// ran out, its handler running on past the call).
+func TestInvalidStatusPanicsAsNetHTTP(t *testing.T) {
+	for _, code := range []int{1000, 42} {
+		eng := newEngine(t, memstore.New())
+		var after atomic.Bool
+		mw, _ := httpidem.New(httpidem.Config{Engine: eng})
+		h := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(code)
+			after.Store(true)
+		}))
+		var p any
+		func() {
+			defer func() { p = recover() }()
+			r := httptest.NewRequest("POST", "/c", strings.NewReader("{}"))
+			r.Header.Set("Idempotency-Key", "k")
+			h.ServeHTTP(httptest.NewRecorder(), r)
+		}()
+		if want := fmt.Sprintf("invalid WriteHeader code %d", code); p != want || after.Load() {
+			t.Fatalf("WriteHeader(%d): panic %v, went on %v; want the panic %q", code, p, after.Load(), want)
+		}
+		if rec, err := eng.Get(context.Background(), "", "k"); err != nil || rec.State != idem.StateUnknown {
+			t.Fatalf("WriteHeader(%d): record %v, %v; want unknown", code, rec.State, err)
+		}
+	}
+}
+
+// refusingStore refuses to complete a record, as a store refuses params it
+// finds malformed.
+type refusingStore struct{ idem.Store }
+
+func (s refusingStore) Finish(ctx context.Context, p store.FinishParams) error {
+	if p.State == idem.StateCompleted {
+		return fmt.Errorf("%w: a response the store cannot keep", idem.ErrInvalid)
+	}
+	return s.Store.Finish(ctx, p)
+}
+
+// TestRefusedOutcomeIsUnknown: an outcome the store refuses as malformed
+// leaves the record unknown, not in progress until its lease runs out: the
+// handler ran.
+func TestRefusedOutcomeIsUnknown(t *testing.T) {
+	eng := newEngine(t, refusingStore{memstore.New()})
+	a := &app{handler: charge}
+	srv := serve(t, httpidem.Config{Engine: eng}, a)
+	if r := send(t, srv, "POST", "/pay", "k", "x"); r.status != 201 {
+		t.Fatalf("first = %d", r.status)
+	}
+	if rec, err := eng.Get(context.Background(), "", "k"); err != nil || rec.State != idem.StateUnknown {
+		t.Fatalf("record %v, %v; want unknown", rec.State, err)
+	}
+	wantProblem(t, send(t, srv, "POST", "/pay", "k", "x"), 409, httpidem.ProblemUncertain)
+}
+
+// TestObserveMisconfiguredScope: a covered request whose scope the engine
+// refuses (500 "Idempotency misconfigured") is observed too.
+func TestObserveMisconfiguredScope(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	srv := serve(t, httpidem.Config{Engine: newEngine(t, memstore.New()),
+		Scope: func(r *http.Request) string { return r.Header.Get("Authorization") }, // a JWT: over 255 bytes
+		Observe: func(r *http.Request, what string) {
+			mu.Lock()
+			defer mu.Unlock()
+			seen = append(seen, what)
+		}}, &app{handler: charge})
+	r := send(t, srv, "POST", "/c", "k", "{}", "Authorization", "Bearer "+strings.Repeat("x", 300))
+	wantProblem(t, r, 500, httpidem.ProblemIdempotencyFailed)
+	mu.Lock()
+	defer mu.Unlock()
+	if !reflect.DeepEqual(seen, []string{httpidem.ObservedMisconfigured}) {
+		t.Fatalf("observed %q, want [%s]", seen, httpidem.ObservedMisconfigured)
+	}
+}

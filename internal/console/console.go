@@ -233,7 +233,7 @@ func (c *Console) problem(w http.ResponseWriter, status int, msg string) {
 var outcomes = []string{httpidem.ObservedExecuted, httpidem.ObservedReplayed, httpidem.ObservedInFlight,
 	httpidem.ObservedUncertain, httpidem.ObservedMismatch, httpidem.ObservedNotReplayable, httpidem.ObservedStoreError,
 	httpidem.ObservedFailOpen, httpidem.ObservedKeyMissing, httpidem.ObservedKeyInvalid, httpidem.ObservedNoKey,
-	httpidem.ObservedRejected, httpidem.ObservedClientGone}
+	httpidem.ObservedRejected, httpidem.ObservedClientGone, httpidem.ObservedMisconfigured}
 
 // tally is the records counted by state, and the stale ones.
 type tally struct {
