@@ -286,6 +286,7 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 	// Detached from the caller's cancellation: a client that goes away must
 	// not leave a store write half-known.
 	detached := context.WithoutCancel(ctx)
+	var refusal error // an attempt the store answered with a refusal
 	for n := 0; ; n++ {
 		actx, cancel := context.WithDeadline(detached, deadline)
 		err := unanswered(actx, op(actx))
@@ -294,11 +295,20 @@ func (e *Engine) retry(ctx context.Context, op func(ctx context.Context) error) 
 			e.answered()
 			return err
 		}
+		if errors.Is(err, ErrRefused) || errors.Is(err, ErrDenied) {
+			refusal = err
+		}
 		pause := retryPause(n)
 		// A call that never left the process (store.ErrNotSent: the store
 		// has not opened) has no answer to lose: not sent again.
 		if down || time.Until(deadline) < pause || errors.Is(err, store.ErrNotSent) {
 			e.down.Store(true)
+			if refusal != nil && refusal != err {
+				// The store was reached and refused (a lock held, writes
+				// refused), then did not answer in time: still a refusal,
+				// which is never a reason to fail open.
+				return fmt.Errorf("%w (an attempt before: %w)", err, refusal)
+			}
 			return err
 		}
 		time.Sleep(pause)

@@ -776,3 +776,35 @@ func TestPrunesInTheBackground(t *testing.T) {
 		t.Fatalf("Close returned (its context: %v) with the prune under way still running", closeCtx.Err())
 	}
 }
+
+// refusedThenSilent refuses the first acquire (a lock not had in time)
+// and leaves the others unanswered until their deadline.
+type refusedThenSilent struct {
+	idem.Store
+	calls atomic.Int64
+}
+
+func (s *refusedThenSilent) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
+	if s.calls.Add(1) == 1 {
+		return store.Record{}, store.Refused(errors.New("lock not available (SQLSTATE 55P03)"))
+	}
+	<-ctx.Done()
+	return store.Record{}, ctx.Err()
+}
+
+// TestRefusalOutlivesALaterTimeout: a store that refused a call (it was
+// reached: a row locked, writes refused) and then did not answer the
+// retry in time still refused it: the error says so, and fail-open, which
+// reads it, never runs the request. (The last attempt's timeout alone was
+// returned, and fail-open ran it.)
+func TestRefusalOutlivesALaterTimeout(t *testing.T) {
+	s := &refusedThenSilent{Store: memstore.New()}
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrRefused) || s.calls.Load() < 2 {
+		t.Fatalf("Begin after %d attempts: %v; want ErrUnavailable and ErrRefused", s.calls.Load(), err)
+	}
+}

@@ -102,6 +102,10 @@ var (
 	// ErrDenied: the store refused access; it comes with ErrUnavailable,
 	// and is never a reason to fail open.
 	ErrDenied = store.ErrDenied
+	// ErrRefused: the store was reached and refused the call for a reason
+	// of its own (it takes no writes now, or rolled the call back); it
+	// comes with ErrUnavailable, and is never a reason to fail open.
+	ErrRefused = store.ErrRefused
 )
 
 // KeyHash names a record without revealing its key: every component logs

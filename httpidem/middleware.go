@@ -248,9 +248,11 @@ type Config struct {
 	ExplicitRelease bool `yaml:"explicit_release"`
 	// FailOpen runs the handler unprotected when the store cannot be
 	// reached (an error wrapping [idem.ErrUnavailable]), instead of
-	// answering 503; never when the store answered, with an error of
-	// another kind (a record it cannot read) or refusing access
-	// ([idem.ErrDenied]: a password or permission rotated), and never
+	// answering 503; never when the store answered: with an error of
+	// another kind (a record it cannot read), refusing access
+	// ([idem.ErrDenied]: a password or permission rotated), or refusing
+	// the call for a reason of its own ([idem.ErrRefused]: out of memory, a
+	// read-only replica, a lock held by the key's running request). Nor
 	// while another request with the same key is served by this
 	// middleware: a duplicate of one running here (with the store's lease
 	// or failed open) gets 409 in-progress, of one that completed here
@@ -707,7 +709,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// Fail open only when the store could not be reached: a store that
 		// answered with an error (a record it cannot read) may hold an
 		// outcome, and running the handler again would run it twice.
-		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && !errors.Is(err, idem.ErrDenied) && r.Context().Err() == nil {
+		if m.cfg.FailOpen && errors.Is(err, idem.ErrUnavailable) && !errors.Is(err, idem.ErrDenied) && !errors.Is(err, idem.ErrRefused) &&
+			r.Context().Err() == nil {
 			// Never for a key served here meanwhile: its duplicate would run
 			// twice in this very process.
 			run, inFlight, outcome := m.active.failOpen(act, params.Fingerprint)

@@ -69,6 +69,17 @@ var (
 	// never a reason to fail open, since the store, reached, may hold the
 	// record.
 	ErrDenied = errors.New("idem: store refused access")
+	// ErrRefused: the store was reached, and could read the record, but
+	// refused the call for a reason of its own that may pass: it takes no
+	// writes now (out of memory, a read-only replica, a full disk, too
+	// few replicas), or it rolled the call back (a lock not had in time,
+	// a deadlock). Stores wrap it together with [ErrUnavailable], since
+	// the call may succeed when tried again (an outcome is kept to try
+	// again); like [ErrDenied], it is never a reason to fail open: the
+	// record, which the store holds, may say the request ran (a lease
+	// that ran out must become UNKNOWN) or runs now (a row locked by its
+	// owner's transaction).
+	ErrRefused = errors.New("idem: store refused the call")
 	// ErrNotSent: the call never left the process (the store has not
 	// opened yet), so it did nothing. Stores wrap it together with
 	// [ErrUnavailable]; the engine then has no acquire to release.
@@ -79,6 +90,11 @@ var (
 // permissions, as stores report it: wrapping [ErrUnavailable] and
 // [ErrDenied].
 func Denied(err error) error { return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrDenied, err) }
+
+// Refused is err, a store's refusal of a call for a reason of its own (see
+// [ErrRefused]), as stores report it: wrapping [ErrUnavailable] and
+// [ErrRefused].
+func Refused(err error) error { return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrRefused, err) }
 
 // MaxKeyLen is the longest idempotency key accepted, in bytes.
 const MaxKeyLen = 255

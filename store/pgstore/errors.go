@@ -16,7 +16,9 @@ import (
 // translate turns a driver error into the root package's vocabulary at the
 // store's edge. Errors that mean the server could not be reached or did not
 // answer wrap [store.ErrUnavailable]; a refusal of the role's login or
-// privileges wraps it and [store.ErrDenied]; every other error is wrapped
+// privileges wraps it and [store.ErrDenied]; a refusal for a reason of the
+// moment by a server that reads (see refused) wraps it and
+// [store.ErrRefused]; every other error is wrapped
 // with the operation's name. The driver's error stays in the chain (for logs and for
 // errors.Is with context.Canceled or context.DeadlineExceeded), but no pgx
 // type is part of the API.
@@ -24,6 +26,8 @@ func translate(op string, err error) error {
 	switch {
 	case denied(err):
 		return fmt.Errorf("pgstore: %s: %w", op, store.Denied(err))
+	case refused(err):
+		return fmt.Errorf("pgstore: %s: %w", op, store.Refused(err))
 	case unavailable(err):
 		return fmt.Errorf("pgstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
@@ -41,6 +45,26 @@ func denied(err error) bool {
 		return strings.HasPrefix(pgErr.Code, "28") || pgErr.Code == "42501"
 	}
 	return false
+}
+
+// refused reports whether err is the server, which reads, refusing a call
+// for a reason that may pass (see [store.ErrRefused]): a read-only
+// transaction (a standby), a full disk or its memory short, a lock not had
+// in time (lock_timeout: the row of a request running in its business
+// transaction), a transaction rolled back (deadlock, serialization). (A
+// statement cancelled, 57014, is not: the cancel may be the caller's
+// deadline, the store too slow to answer.)
+func refused(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.Is(err, context.Canceled) || !errors.As(err, &pgErr) {
+		return false
+	}
+	switch code := pgErr.Code; {
+	case code == "25006", code == "53100", code == "53200", code == "55P03":
+		return true
+	default:
+		return strings.HasPrefix(code, "40")
+	}
 }
 
 // unavailable reports whether err means that the store could not be reached

@@ -575,8 +575,8 @@ func TestRolledBackIsUnavailable(t *testing.T) {
 		t.Fatalf("the other transaction, once the store's is rolled back: %v", err)
 	}
 	err = wait.Recv(t, finished, 40*time.Second, "the Finish that waited")
-	if !errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), "40P01") {
-		t.Fatalf("Finish rolled back by a deadlock = %v, want ErrUnavailable (SQLSTATE 40P01)", err)
+	if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrRefused) || !strings.Contains(err.Error(), "40P01") {
+		t.Fatalf("Finish rolled back by a deadlock = %v, want ErrUnavailable and ErrRefused (SQLSTATE 40P01)", err)
 	}
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)

@@ -92,9 +92,10 @@
 // pool, a deadline that ran out) wraps [store.ErrUnavailable], and so does
 // a refusal of a call on records that may pass: LOADING, CLUSTERDOWN,
 // TRYAGAIN, MASTERDOWN, READONLY, BUSY, max-clients, OOM, MISCONF,
-// NOREPLICAS; MOVED and ASK once go-redis's redirections ran out; NOAUTH,
-// WRONGPASS, NOPERM (with [store.ErrDenied] too: never a reason to fail
-// open); on Redis 6.2 these come wrapped in "ERR Error running script". The scripts return each decision they make as a value, so a
+// NOREPLICAS (the writes refused, READONLY, OOM, MISCONF, NOREPLICAS, with
+// [store.ErrRefused] too); MOVED and ASK once go-redis's redirections ran
+// out; NOAUTH, WRONGPASS, NOPERM (with [store.ErrDenied] too). Neither is
+// ever a reason to fail open; on Redis 6.2 these come wrapped in "ERR Error running script". The scripts return each decision they make as a value, so a
 // script that fails on what it found (a key of another type, a damaged
 // record) is Redis's answer about that record, wrapped as it is. A
 // cancelled context stays recognisable with errors.Is, and is not
@@ -1100,9 +1101,10 @@ func decode(f map[string]string) (store.Record, error) {
 // call for a reason that may pass, wrap [store.ErrUnavailable] (and still
 // the context's error, when that was the cause): a server loading, failing
 // over, resharding, too busy or refusing writes (OOM, MISCONF, NOREPLICAS,
-// READONLY); MOVED or ASK once the client's redirections ran out; NOAUTH,
-// WRONGPASS, NOPERM (these with [store.ErrDenied] too: Redis was reached,
-// which is no reason to fail open); and on Redis 6.2 any of these inside a
+// READONLY: these with [store.ErrRefused] too); MOVED or ASK once the
+// client's redirections ran out; NOAUTH, WRONGPASS, NOPERM (these with
+// [store.ErrDenied] too). Redis was reached then, and holds the record,
+// which is no reason to fail open; and on Redis 6.2 any of these inside a
 // script, wrapped in "ERR Error running script". The engine then keeps the outcome and
 // tries again, where another error would drop it. A script that failed on
 // what it found (a key of another type, a damaged record) is the store's
@@ -1115,10 +1117,33 @@ func translate(op string, err error) error {
 	switch {
 	case denied(err):
 		return fmt.Errorf("redisstore: %s: %w", op, store.Denied(err))
+	case writesRefused(err):
+		return fmt.Errorf("redisstore: %s: %w", op, store.Refused(err))
 	case unreachable(err) || refused(err):
 		return fmt.Errorf("redisstore: %s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("redisstore: %s: %w", op, err)
+}
+
+// noWrites are the codes of a Redis that is up, reads, and refuses writes:
+// out of memory under noeviction, a failed snapshot, too few replicas, a
+// replica.
+var noWrites = []string{"OOM", "MISCONF", "NOREPLICAS", "READONLY"}
+
+// writesRefused reports whether err is Redis refusing a write, plainly or
+// inside a script's error: it was reached, and holds the record (see
+// [store.ErrRefused]).
+func writesRefused(err error) bool {
+	var redisErr redis.Error
+	if !errors.As(err, &redisErr) {
+		return false
+	}
+	for _, code := range noWrites {
+		if redis.HasErrorPrefix(err, code) {
+			return true
+		}
+	}
+	return refusedInScript(redisErr.Error(), noWrites)
 }
 
 // denials are the codes of Redis's refusals of the client's credentials or

@@ -788,8 +788,8 @@ func TestRefusedWritesAreUnavailable(t *testing.T) {
 			t.Fatal(err)
 		}
 		err := s.Finish(ctx, finish)
-		if !errors.Is(err, idem.ErrUnavailable) {
-			t.Errorf("Finish while Redis refuses writes (CONFIG SET %v): %v, want ErrUnavailable", refusal.set, err)
+		if !errors.Is(err, idem.ErrUnavailable) || !errors.Is(err, idem.ErrRefused) {
+			t.Errorf("Finish while Redis refuses writes (CONFIG SET %v): %v, want ErrUnavailable and ErrRefused", refusal.set, err)
 		}
 		if err := client.Do(ctx, append([]any{"CONFIG", "SET"}, refusal.reset...)...).Err(); err != nil {
 			t.Fatal(err)

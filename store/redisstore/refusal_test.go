@@ -15,6 +15,7 @@ import (
 	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
+	"github.com/idemhq/idem/store/memstore"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -169,6 +170,74 @@ func TestRefusedAccessIsNoReasonToFailOpen(t *testing.T) {
 		if status := post(serve(who[0], who[1], &runs)); status != http.StatusServiceUnavailable || runs.Load() != 1 {
 			t.Fatalf("its retry through a client Redis refuses (%s): %d after %d runs; want 503, run once", who[1], status, runs.Load())
 		}
+	}
+}
+
+// TestRefusedWritesAreNoReasonToFailOpen: a request whose owner crashed
+// mid side effect (in progress, its lease run out) must become UNKNOWN and
+// never run again. A Redis out of memory under noeviction (or short of
+// replicas, or a replica) reads the record and refuses the write that
+// marks it: a middleware with fail_open answers 503 instead of running the
+// request unprotected. (It ran it again: a second charge.)
+func TestRefusedWritesAreNoReasonToFailOpen(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	port := testkit.FreePort(t)
+	testkit.StartRedis(t, port)
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:" + port})
+	t.Cleanup(func() { client.Close() })
+	s := newTestStore(t, client, 0)
+	var runs atomic.Int64
+	charge := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})
+	post := func(st idem.Store, key string) int {
+		eng, err := idem.New(idem.Config{Store: st, StoreTimeout: 500 * time.Millisecond, CacheSize: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mw, err := httpidem.New(httpidem.Config{Engine: eng, FailOpen: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := httptest.NewRecorder()
+		r := httptest.NewRequest("POST", "/charges", strings.NewReader(`{"amount":1}`))
+		r.Header.Set("Idempotency-Key", key)
+		mw.Wrap(charge).ServeHTTP(w, r)
+		return w.Code
+	}
+	// The record a crashed owner leaves: in progress, its lease run out,
+	// with the request's fingerprint (as a store of the test's own takes it).
+	probe := memstore.New()
+	post(probe, "charge-1")
+	rec, err := probe.Get(ctx, store.GetParams{Key: "charge-1", Now: time.Now()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if _, err := s.Acquire(ctx, store.AcquireParams{Scope: rec.Scope, Key: rec.Key, Fingerprint: rec.Fingerprint, Token: "crashed",
+		Now: now.Add(-2 * time.Minute), LeaseExpires: now.Add(-time.Minute)}); err != nil {
+		t.Fatal(err)
+	}
+	runs.Store(0)
+	for _, refusal := range []struct{ set, reset []any }{
+		{[]any{"maxmemory-policy", "noeviction", "maxmemory", "1"}, []any{"maxmemory", "0"}},
+		{[]any{"min-replicas-to-write", "1"}, []any{"min-replicas-to-write", "0"}},
+	} {
+		if err := client.Do(ctx, append([]any{"CONFIG", "SET"}, refusal.set...)...).Err(); err != nil {
+			t.Fatal(err)
+		}
+		status := post(s, "charge-1")
+		if err := client.Do(ctx, append([]any{"CONFIG", "SET"}, refusal.reset...)...).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if status != http.StatusServiceUnavailable || runs.Load() != 0 {
+			t.Fatalf("a retry while Redis refuses writes (CONFIG SET %v): %d after %d runs; want 503, no run", refusal.set, status, runs.Load())
+		}
+	}
+	if status := post(s, "charge-1"); status != http.StatusConflict || runs.Load() != 0 {
+		t.Fatalf("the retry once Redis takes writes: %d after %d runs; want 409 (unknown), no run", status, runs.Load())
 	}
 }
 
