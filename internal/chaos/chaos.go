@@ -887,7 +887,8 @@ func (p *proxyProc) start() error {
 			return nil
 		}
 		if !p.running() {
-			return fmt.Errorf("%s exited at start; see %s", p.name, p.log)
+			out, _ := os.ReadFile(p.log) // the test's directory goes with it: the log's end is in the error
+			return fmt.Errorf("%s exited at start; its log ends:\n%s", p.name, out[max(0, len(out)-2000):])
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s did not answer within 30s: %w", p.name, err)
