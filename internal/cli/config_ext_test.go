@@ -146,3 +146,46 @@ func TestDemoRefusesAnEmptyJournalDir(t *testing.T) {
 		t.Fatalf("demo --journal-dir=: exit %d, %s; want 2 and the way to say none", code, errOut.String())
 	}
 }
+
+// TestDemoRefusesAStoreWithoutShowingIt: a store the demo cannot keep its
+// ledger in is refused by its kind, never shown whole: a libpq key=value
+// DSN, which has no scheme, was echoed password and all, from --store and
+// from IDEM_STORE.
+func TestDemoRefusesAStoreWithoutShowingIt(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"--store", "host=db user=app password=hunter2 dbname=pay"}, nil, "not a sqlite: or postgres:// DSN"},
+		{nil, map[string]string{"IDEM_STORE": "host=db password=hunter2"}, "not a sqlite: or postgres:// DSN"},
+		{[]string{"--store", "password=hunter2:x"}, nil, "not a sqlite: or postgres:// DSN"},
+		{[]string{"--store", "redis://:hunter2@127.0.0.1:6379"}, nil, "not redis"},
+	} {
+		t.Chdir(t.TempDir()) // the files of a demo that would start
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		var out, errOut strings.Builder
+		args := append([]string{"demo", "--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", ""}, c.args...)
+		code := cli.Main(ctx, args, cli.EnvOf(c.env), &out, &errOut)
+		cancel()
+		if code != 2 || strings.Contains(errOut.String()+out.String(), "hunter2") || !strings.Contains(errOut.String(), c.want) {
+			t.Errorf("demo %q %v: exit %d, %s; want 2, %q, and no password", c.args, c.env, code, errOut.String(), c.want)
+		}
+	}
+}
+
+// TestDemoRefusesAnAcquirerThatIsNoURL: --acquirer must be an http(s) URL,
+// said before the demo starts. (127.0.0.1:8090 started a demo whose every
+// charge failed.)
+func TestDemoRefusesAnAcquirerThatIsNoURL(t *testing.T) {
+	// A demo that started would write its files here, and serve until the
+	// context ends.
+	t.Chdir(t.TempDir())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var out, errOut strings.Builder
+	code := cli.Main(ctx, []string{"demo", "--listen", "127.0.0.1:0", "--admin-listen", "", "--acquirer", "127.0.0.1:8090"}, cli.EnvOf(nil), &out, &errOut)
+	if code != 2 || !strings.Contains(errOut.String(), "--acquirer") || !strings.Contains(errOut.String(), "http://") {
+		t.Fatalf("demo --acquirer 127.0.0.1:8090: exit %d, %s; want 2 and what --acquirer takes", code, errOut.String())
+	}
+}

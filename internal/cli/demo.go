@@ -14,6 +14,7 @@ import (
 	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/payments"
 	"github.com/idemhq/idem/internal/proxy"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/internal/storeopen"
 	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
@@ -47,8 +48,20 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		return 2
 	}
 	if k := storeopen.Kind(*store); k != "sqlite" && k != "postgres" {
-		usageError(stderr, fs.Name(), fmt.Sprintf("--store: the demo keeps its ledger in the store's database, so it takes sqlite:PATH or postgres://…, not %s", k))
+		// Say the kind only when it is one: a DSN with no scheme (a libpq
+		// key=value one) may hold a password anywhere.
+		not := "a sqlite: or postgres:// DSN"
+		if strings.Contains(*store, ":") && redact.Scheme(*store) != "" {
+			not = k
+		}
+		usageError(stderr, fs.Name(), "--store: the demo keeps its ledger in the store's database, so it takes sqlite:PATH or postgres://…, not "+not)
 		return 2
+	}
+	if *acquirerURL != "" {
+		if _, err := payments.ParseAcquirerURL(*acquirerURL); err != nil {
+			usageError(stderr, fs.Name(), "--acquirer: "+message(err))
+			return 2
+		}
 	}
 	log, err := newLog()
 	if err != nil {

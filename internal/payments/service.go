@@ -14,6 +14,7 @@
 package payments
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,7 +23,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -30,6 +33,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/redact"
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store"
 )
@@ -43,7 +47,8 @@ type Config struct {
 	Engine *idem.Engine
 	// DB is the database of the engine's store (see [NewDB]). Required.
 	DB DB
-	// AcquirerURL is the card acquirer's base URL. Required.
+	// AcquirerURL is the card acquirer's base URL, http:// or https://
+	// (see [ParseAcquirerURL]). Required.
 	AcquirerURL string
 	// AcquirerTimeout bounds each acquirer call. Defaults to
 	// [DefaultAcquirerTimeout].
@@ -61,11 +66,17 @@ type Service struct {
 	log    *slog.Logger
 }
 
-// New returns the service; call Migrate before serving.
+// New returns the service; call Migrate before serving. An acquirer URL
+// that [ParseAcquirerURL] refuses is an error wrapping [idem.ErrInvalid].
 func New(cfg Config) (*Service, error) {
 	if cfg.Engine == nil || cfg.DB == nil || cfg.AcquirerURL == "" {
 		return nil, errors.New("payments: config needs an engine, a database and an acquirer URL")
 	}
+	base, err := ParseAcquirerURL(cfg.AcquirerURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.AcquirerURL = base
 	if cfg.AcquirerTimeout == 0 {
 		cfg.AcquirerTimeout = DefaultAcquirerTimeout
 	}
@@ -76,6 +87,19 @@ func New(cfg Config) (*Service, error) {
 	transport := http.DefaultTransport.(*http.Transport).Clone()
 	transport.MaxIdleConnsPerHost = 64
 	return &Service{cfg: cfg, log: log, client: &http.Client{Timeout: cfg.AcquirerTimeout, Transport: transport}}, nil
+}
+
+// ParseAcquirerURL returns an acquirer's base URL as the service uses it:
+// http:// or https://, a host, and a path if any, without a trailing slash
+// (the service appends /authorize and /payments/{key}). A URL that is not
+// one, or has a query or a fragment, is an error wrapping [idem.ErrInvalid],
+// which does not show the URL's password.
+func ParseAcquirerURL(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || u.Scheme != "http" && u.Scheme != "https" || u.Host == "" || u.RawQuery != "" || u.ForceQuery || u.Fragment != "" {
+		return "", fmt.Errorf("%w: acquirer URL %s: want http://host:port or https://…, with a path if any and no query", idem.ErrInvalid, redact.URL(raw))
+	}
+	return strings.TrimRight(raw, "/"), nil
 }
 
 // schema is the ledger, in the same database as the records. There is
@@ -103,18 +127,23 @@ func (s *Service) Migrate(ctx context.Context) error {
 	return nil
 }
 
+// maxChargeBody is the largest body of a charge request; the middleware
+// answers 413 to a larger one.
+const maxChargeBody = 64 << 10
+
 // Handler serves the API: POST /v1/charges (idempotent, a key required,
-// keys scoped by the Authorization header), GET /v1/charges/{id}, GET
-// /v1/customers/{id}/balance.
+// keys scoped by the Authorization header, the body at most 64
+// KiB), GET /v1/charges/{id}, GET /v1/customers/{id}/balance.
 func (s *Service) Handler() (http.Handler, error) {
 	mw, err := httpidem.New(httpidem.Config{
-		Engine:        s.cfg.Engine,
-		Methods:       []string{http.MethodPost},
-		RequireKey:    true,
-		Scope:         httpidem.HashScope("Authorization"),
-		CanonicalJSON: true,
-		Logger:        s.log,
-		Observe:       s.cfg.Observe,
+		Engine:         s.cfg.Engine,
+		Methods:        []string{http.MethodPost},
+		RequireKey:     true,
+		Scope:          httpidem.HashScope("Authorization"),
+		CanonicalJSON:  true,
+		MaxRequestBody: maxChargeBody, // the one limit: the handler reads the body whole
+		Logger:         s.log,
+		Observe:        s.cfg.Observe,
 	})
 	if err != nil {
 		return nil, err
@@ -174,17 +203,22 @@ func problem(w http.ResponseWriter, status int, kind, detail string) {
 // chargeExample is a valid charge, for the errors that describe one.
 const chargeExample = `{"amount":1000,"currency":"eur","customer":"cus_1"}`
 
-// decodeCharge reads a charge request and says what is wrong with one that
-// is not valid.
+// decodeCharge reads a charge request, whole (the middleware bounds it to
+// maxChargeBody), and says what is wrong with one that is not valid.
 func decodeCharge(r io.Reader) (chargeRequest, error) {
 	var req chargeRequest
-	dec := json.NewDecoder(io.LimitReader(r, 1<<16))
-	dec.DisallowUnknownFields()
-	err := dec.Decode(&req)
+	body, err := io.ReadAll(r)
 	if err == nil {
-		if _, end := dec.Token(); end != io.EOF { // a second value, or a stray } or ]
-			err = errors.New("there is more after the charge")
+		dec := json.NewDecoder(bytes.NewReader(body))
+		dec.DisallowUnknownFields()
+		if err = dec.Decode(&req); err == nil {
+			if _, end := dec.Token(); end != io.EOF { // a second value, or a stray } or ]
+				err = errors.New("there is more after the charge")
+			}
 		}
+	}
+	if err == nil {
+		err = oneOfEach(body)
 	}
 	switch {
 	case errors.Is(err, io.EOF):
@@ -199,6 +233,40 @@ func decodeCharge(r io.Reader) (chargeRequest, error) {
 		return req, fmt.Errorf("customer %q: want 1 to 64 letters, digits, _ or -, such as cus_1", req.Customer)
 	}
 	return req, nil
+}
+
+// chargeMembers are the members of a charge, named as documented.
+var chargeMembers = []string{"amount", "currency", "customer"}
+
+// oneOfEach refuses a charge that names a member twice, or not exactly as
+// documented ("AMOUNT"): encoding/json matches names in any case and keeps
+// the last of two, where another reader of the same body (a gateway, a log)
+// may keep the first and see another charge.
+func oneOfEach(body []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil // no object: decoding it said what is wrong
+	}
+	var seen []string
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		name, _ := t.(string)
+		switch {
+		case !slices.Contains(chargeMembers, name):
+			return fmt.Errorf("member %q: a charge names amount, currency and customer, in lower case", name)
+		case slices.Contains(seen, name):
+			return fmt.Errorf("member %q twice", name)
+		}
+		seen = append(seen, name)
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // chargeID names the charge of a request: the same for every attempt at it.
@@ -226,10 +294,21 @@ func (s *Service) createCharge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	pay, sent, err := s.authorize(ctx, AuthorizeRequest{Key: downstream, Reference: lease.Key, Amount: req.Amount, Currency: req.Currency, Customer: req.Customer})
+	answer, answered := errors.AsType[*acquirerAnswer](err)
 	switch {
 	case err != nil && !sent:
 		httpidem.NothingHappened(r)
 		problem(w, http.StatusServiceUnavailable, "acquirer-unavailable", "the card acquirer could not be reached; retry")
+		return
+	case answered && answer.refused():
+		httpidem.NothingHappened(r) // a retry, once the acquirer takes it, sends the same downstream key
+		s.log.Error("payments: "+answer.Error()+"; it charged nothing: check the acquirer URL and its settings", "status", answer.status)
+		problem(w, http.StatusInternalServerError, "internal", "the card acquirer refused the authorization; nothing was charged")
+		return
+	case answered:
+		httpidem.OutcomeUnknown(r)
+		s.log.Warn("payments: "+answer.Error()+"; it may have charged: the charge will be reconciled", "status", answer.status)
+		problem(w, http.StatusBadGateway, "acquirer-silent", "the card acquirer did not say whether it charged; the charge will be reconciled")
 		return
 	case err != nil:
 		httpidem.OutcomeUnknown(r)
@@ -300,8 +379,30 @@ func (s *Service) record(ctx context.Context, c Charge, scope, key string, p ide
 	})
 }
 
+// acquirerAnswer is an answer of the acquirer's that is no payment.
+type acquirerAnswer struct {
+	status int
+	err    error // why a 200 is no payment
+}
+
+func (a *acquirerAnswer) Error() string {
+	if a.err != nil {
+		return fmt.Sprintf("acquirer answered %d with no payment (%v)", a.status, a.err)
+	}
+	return fmt.Sprintf("acquirer answered %d", a.status)
+}
+
+// refused reports whether the answer says the acquirer charged nothing: a
+// 4xx, but 409, which an acquirer answers while another authorization with
+// the key is in progress. (429, too busy, is answered as 503 is.)
+func (a *acquirerAnswer) refused() bool {
+	return a.status >= 400 && a.status < 500 && a.status != http.StatusConflict
+}
+
 // authorize calls the acquirer. sent reports whether the request may have
-// reached it; a nil payment with a nil error means it answered 503.
+// reached it; a nil payment with a nil error means it answered 503 or 429
+// (busy: nothing charged); an answer that is no payment is an
+// *acquirerAnswer.
 func (s *Service) authorize(ctx context.Context, a AuthorizeRequest) (pay *Payment, sent bool, err error) {
 	body, _ := json.Marshal(a)
 	var wrote atomic.Bool
@@ -320,14 +421,14 @@ func (s *Service) authorize(ctx context.Context, a AuthorizeRequest) (pay *Payme
 	switch {
 	case err != nil:
 		return nil, true, err
-	case resp.StatusCode == http.StatusServiceUnavailable:
+	case resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests:
 		return nil, true, nil
 	case resp.StatusCode != http.StatusOK:
-		return nil, true, fmt.Errorf("acquirer answered %d: %s", resp.StatusCode, raw)
+		return nil, true, &acquirerAnswer{status: resp.StatusCode}
 	}
 	pay = new(Payment)
 	if err := json.Unmarshal(raw, pay); err != nil {
-		return nil, true, fmt.Errorf("acquirer answered %q: %w", raw, err)
+		return nil, true, &acquirerAnswer{status: resp.StatusCode, err: err}
 	}
 	return pay, true, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,8 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -40,19 +43,12 @@ type fixture struct {
 
 func newFixture(t *testing.T) *fixture {
 	t.Helper()
-	store, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "p.db")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { store.Close() })
-	return newFixtureOn(t, store)
+	return newFixtureOn(t, sqliteStore(t))
 }
 
 // newFixtureOn is newFixture on a store of the caller's.
 func newFixtureOn(t *testing.T, store idem.Store) *fixture {
 	t.Helper()
-	clock := storetest.NewClock(time.Now())
-	eng, _ := idem.New(idem.Config{Store: store, Clock: clock})
 	acq := payments.NewAcquirer(false, 1)
 	authorized := make(chan struct{}, 64)
 	acqSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -67,12 +63,23 @@ func newFixtureOn(t *testing.T, store idem.Store) *fixture {
 		acq.ServeHTTP(w, r)
 	}))
 	t.Cleanup(acqSrv.Close)
+	f := newServiceOn(t, store, acqSrv.URL, io.Discard)
+	f.acq, f.authorized = acq, authorized
+	return f
+}
+
+// newServiceOn serves the service on store, calling the acquirer at
+// acquirerURL and logging to log; the fixture has no acquirer of its own.
+func newServiceOn(t *testing.T, store idem.Store, acquirerURL string, log io.Writer) *fixture {
+	t.Helper()
+	clock := storetest.NewClock(time.Now())
+	eng, _ := idem.New(idem.Config{Store: store, Clock: clock})
 	db, err := payments.NewDB(store)
 	if err != nil {
 		t.Fatal(err)
 	}
-	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: acqSrv.URL, AcquirerTimeout: time.Second,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	svc, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: acquirerURL, AcquirerTimeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(log, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +92,7 @@ func newFixtureOn(t *testing.T, store idem.Store) *fixture {
 	}
 	api := httptest.NewServer(h)
 	t.Cleanup(api.Close)
-	return &fixture{acq: acq, api: api, svc: svc, eng: eng, clock: clock, authorized: authorized}
+	return &fixture{api: api, svc: svc, eng: eng, clock: clock}
 }
 
 func (f *fixture) do(t *testing.T, method, path, key, body string) (int, map[string]any) {
@@ -247,6 +254,163 @@ func TestInvalidChargeSaysWhy(t *testing.T) {
 	if code, ch := f.do(t, "POST", "/v1/charges", "k-invalid", `{"amount":1000,"currency":"eur","customer":"cus_1"}`); code != 201 {
 		t.Fatalf("the example the errors give: %d %v", code, ch)
 	}
+}
+
+// TestAmbiguousChargeRefused: a charge that names a member twice, or not
+// exactly as documented, is refused and reaches no acquirer: encoding/json
+// took the last of two "amount"s (and "AMOUNT" for "amount"), so a gateway,
+// a WAF or a log pipeline that reads the first saw another charge than the
+// one made. The corrected charge may reuse the key.
+func TestAmbiguousChargeRefused(t *testing.T) {
+	f := newFixture(t)
+	for i, c := range []struct{ body, want string }{
+		{`{"amount":100000,"currency":"eur","customer":"cus_1","amount":1}`, `"amount" twice`},
+		{`{"amount":100000,"currency":"eur","customer":"cus_1","AMOUNT":1}`, `"AMOUNT"`},
+		{`{"Amount":1,"currency":"eur","customer":"cus_1"}`, `"Amount"`},
+		{`{"amount":1,"currency":"eur","customer":"cus_1","customer":"cus_2"}`, `"customer" twice`},
+	} {
+		code, p := f.do(t, "POST", "/v1/charges", fmt.Sprint("k-ambiguous-", i), c.body)
+		detail, _ := p["detail"].(string)
+		if code != 400 || p["title"] != "Invalid charge" || !strings.Contains(detail, c.want) {
+			t.Errorf("%s: %d %v; want 400, title Invalid charge, a detail saying %s", c.body, code, p, c.want)
+		}
+	}
+	if s := f.acq.Stats(); s.Requests != 0 {
+		t.Errorf("acquirer: %+v; want no authorization for an ambiguous charge", s)
+	}
+	if code, ch := f.do(t, "POST", "/v1/charges", "k-ambiguous-0", `{"amount":1,"currency":"eur","customer":"cus_1"}`); code != 201 {
+		t.Fatalf("the corrected charge, same key: %d %v", code, ch)
+	}
+}
+
+// TestChargeBodyHasOneLimit: a charge body is at most 64 KiB, which the
+// middleware enforces (413, before any record is made), and one under it is
+// read whole: a second value anywhere in it is "more after the charge". (The
+// middleware let 1 MiB through and the handler read the first 64 KiB only:
+// a second value past that was never seen, and the charge ran.)
+func TestChargeBodyHasOneLimit(t *testing.T) {
+	f := newFixture(t)
+	const limit = 64 << 10
+	charge, second := `{"amount":1000,"currency":"eur","customer":"cus_1"}`, `{"amount":999999}`
+	if code, p := f.do(t, "POST", "/v1/charges", "k-full", charge+strings.Repeat(" ", limit-len(charge))); code != 201 {
+		t.Errorf("a charge padded to %d bytes: %d %v; want 201", limit, code, p)
+	}
+	near := charge + strings.Repeat(" ", limit-len(charge)-len(second)) + second
+	if code, p := f.do(t, "POST", "/v1/charges", "k-near", near); code != 400 || !strings.Contains(fmt.Sprint(p["detail"]), "more after the charge") {
+		t.Errorf("a second value at the end of %d bytes: %d %v; want 400, more after the charge", len(near), code, p)
+	}
+	far := charge + strings.Repeat(" ", 70000) + second
+	if code, p := f.do(t, "POST", "/v1/charges", "k-far", far); code != http.StatusRequestEntityTooLarge {
+		t.Errorf("a second value past 64 KiB: %d %v; want 413", code, p)
+	}
+	if code, ch := f.do(t, "POST", "/v1/charges", "k-far", charge); code != 201 {
+		t.Errorf("the charge alone, with the key of the one too large: %d %v; want 201", code, ch)
+	}
+	if s := f.acq.Stats(); s.Charges != 2 {
+		t.Errorf("acquirer: %+v; want 2 charges", s)
+	}
+}
+
+// TestAcquirerURL: the acquirer's URL may end in a slash (every
+// authorization went to //authorize, whose 404 was taken for a charge the
+// acquirer made and did not answer: a 502 and an UNKNOWN record); one that
+// is not an http(s) URL with a host is refused, without its password.
+func TestAcquirerURL(t *testing.T) {
+	acq := payments.NewAcquirer(true, 1)
+	srv := httptest.NewServer(acq)
+	t.Cleanup(srv.Close)
+	f := newServiceOn(t, sqliteStore(t), srv.URL+"/", io.Discard)
+	if code, p := f.do(t, "POST", "/v1/charges", "k", `{"amount":1000,"currency":"eur","customer":"cus_1"}`); code != 201 {
+		t.Fatalf("acquirer URL %s/: %d %v; want 201", srv.URL, code, p)
+	}
+	st := sqliteStore(t)
+	eng, _ := idem.New(idem.Config{Store: st})
+	db, _ := payments.NewDB(st)
+	for _, bad := range []string{"127.0.0.1:8090", "localhost:8090", "ftp://acquirer/", "http://", "http:///authorize",
+		"/acquirer", "http://acquirer/?v=1", "http://user:hunter2@acquirer:8090/#x"} {
+		_, err := payments.New(payments.Config{Engine: eng, DB: db, AcquirerURL: bad})
+		if !errors.Is(err, idem.ErrInvalid) || !strings.Contains(fmt.Sprint(err), "acquirer URL") || strings.Contains(fmt.Sprint(err), "hunter2") {
+			t.Errorf("acquirer URL %q: %v; want ErrInvalid naming the acquirer URL, without its password", bad, err)
+		}
+	}
+}
+
+// TestAcquirerAnswers: an acquirer that answers 4xx charged nothing: the
+// service says it is misconfigured (500 internal), logs the status, and
+// releases the key, so the retry charges once the acquirer is put right.
+// One that answers 5xx may have charged: the record is UNKNOWN for the
+// reconciler. (Every answer but 200 and 503 was taken for one that never
+// came: 502 acquirer-silent, UNKNOWN.)
+func TestAcquirerAnswers(t *testing.T) {
+	acq := payments.NewAcquirer(false, 1)
+	var answer atomic.Int64 // the acquirer's answer to an authorization instead of charging; 0: it charges
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if status := answer.Load(); status != 0 && r.URL.Path == "/authorize" {
+			http.Error(w, `{"error":"no"}`, int(status))
+			return
+		}
+		acq.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	var log syncBuffer
+	f := newServiceOn(t, sqliteStore(t), srv.URL, &log)
+	body := `{"amount":1000,"currency":"eur","customer":"cus_1"}`
+	for _, status := range []int{http.StatusNotFound, http.StatusBadRequest} {
+		answer.Store(int64(status))
+		code, p := f.do(t, "POST", "/v1/charges", "k", body)
+		if code != 500 || !strings.HasSuffix(fmt.Sprint(p["type"]), "#internal") {
+			t.Errorf("the acquirer answers %d: %d %v; want 500 internal", status, code, p)
+		}
+		if want := fmt.Sprintf("acquirer answered %d", status); !strings.Contains(log.String(), want) {
+			t.Errorf("the log says:\n%s\nwant a line saying %q", log.String(), want)
+		}
+	}
+	answer.Store(0)
+	if code, p := f.do(t, "POST", "/v1/charges", "k", body); code != 201 {
+		t.Fatalf("the retry once the acquirer charges: %d %v; want 201 (the key released)", code, p)
+	}
+	answer.Store(http.StatusInternalServerError)
+	if code, p := f.do(t, "POST", "/v1/charges", "k5", body); code != 502 || !strings.HasSuffix(fmt.Sprint(p["type"]), "#acquirer-silent") {
+		t.Errorf("the acquirer answers 500: %d %v; want 502 acquirer-silent", code, p)
+	}
+	if code, p := f.do(t, "POST", "/v1/charges", "k5", body); code != 409 || !strings.Contains(fmt.Sprint(p["type"]), "operation-uncertain") {
+		t.Errorf("its retry: %d %v; want 409 operation-uncertain (the record UNKNOWN)", code, p)
+	}
+	if !strings.Contains(log.String(), "acquirer answered 500") {
+		t.Errorf("the log says:\n%s\nwant a line saying the acquirer answered 500", log.String())
+	}
+	if s := acq.Stats(); s.Charges != 1 {
+		t.Errorf("acquirer: %+v; want 1 charge", s)
+	}
+}
+
+// sqliteStore is a SQLite store in a temporary directory.
+func sqliteStore(t *testing.T) idem.Store {
+	t.Helper()
+	store, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: filepath.Join(t.TempDir(), "p.db")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	return store
+}
+
+// syncBuffer is a log the service writes while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
 
 // TestBalanceIsPerCurrency: charges in two currencies are two balances

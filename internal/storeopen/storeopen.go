@@ -185,6 +185,10 @@ func scrub(err error, dsn string) error {
 	return &scrubbed{msg: msg, err: err}
 }
 
+// plainPath is a store with no kind that is shown in its error: a file path,
+// with nothing (no =, no space, no @) that a DSN holding a password has.
+var plainPath = regexp.MustCompile(`^[A-Za-z0-9_./~+-]+$`)
+
 func open(ctx context.Context, dsn string) (*Opened, error) {
 	scheme, _, _ := strings.Cut(dsn, ":")
 	switch scheme {
@@ -215,8 +219,12 @@ func open(ctx context.Context, dsn string) (*Opened, error) {
 	case "memcached":
 		return openMemcached(dsn)
 	}
-	if !strings.Contains(dsn, ":") { // a path, most likely: it holds no credentials
-		return nil, fmt.Errorf("%w: store %q names no kind: a SQLite file is sqlite:%s; the others are postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, dsn, dsn)
+	if !strings.Contains(dsn, ":") {
+		if plainPath.MatchString(dsn) { // a path: it holds no credentials
+			return nil, fmt.Errorf("%w: store %q names no kind: a SQLite file is sqlite:%s; the others are postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, dsn, dsn)
+		}
+		// Not a path: a libpq key=value DSN, say, which may hold a password.
+		return nil, fmt.Errorf("%w: store names no kind: use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid)
 	}
 	return nil, fmt.Errorf("%w: store %s: unknown kind %q; use sqlite:PATH, postgres://…, redis://…, redis+cluster://…, dynamodb://…, memcached://… or memory:", idem.ErrInvalid, Redact(dsn), schemeOf(dsn))
 }
