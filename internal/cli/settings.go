@@ -74,7 +74,7 @@ var settingHelp = map[string]string{
 	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
 	"console_remote":      "serve the console to connections from other machines than this one (its pages show stored outcomes and need no token; by default: loopback only, through an SSH tunnel or kubectl port-forward)",
 	"explicit_release":    "store a 429 or 503 from the upstream and replay it like any other answer, instead of releasing the key (for an upstream that may answer 503 after acting); an upstream the proxy could not reach still releases it",
-	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read or access refused)",
+	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read, access refused or writes refused)",
 }
 
 // zeroMeans says what a setting left empty means, where that is not
