@@ -807,12 +807,10 @@ func TestStartAfterTheContextEnded(t *testing.T) {
 	w := newWorld(t)
 	w.begin(t, "k", false)
 	w.clock.Advance(2 * time.Minute)
-	asked := make(chan struct{}, 10)
+	passes := make(chan reconcile.Report, 10)
 	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Interval: time.Hour, Logger: quiet,
+		OnPass: func(rep reconcile.Report) { passes <- rep },
 		Resolver: reconcile.ResolverFunc(func(ctx context.Context, _ idem.Record) (reconcile.Resolution, error) {
-			if ctx.Err() == nil {
-				asked <- struct{}{}
-			}
 			return reconcile.Resolution{Outcome: reconcile.Failed}, nil
 		})})
 	if err != nil {
@@ -822,7 +820,9 @@ func TestStartAfterTheContextEnded(t *testing.T) {
 	cancel()
 	r.Start(ended)
 	r.Start(ctx)
-	wait.Recv(t, asked, 10*time.Second, "a pass of the second Start")
+	if rep := wait.Recv(t, passes, 10*time.Second, "a pass of the second Start"); rep.Failed != 1 {
+		t.Fatalf("the second Start's pass: %+v; want the record settled failed", rep)
+	}
 	r.Stop()
 	if out := w.decide(t, "k"); out.Decision != idem.Execute {
 		t.Fatalf("after the second Start's pass: %v", out.Decision)
