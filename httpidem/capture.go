@@ -172,11 +172,11 @@ func (c *capture) Header() http.Header { return c.header }
 // WriteHeader panics on a status that is not three digits, as net/http's
 // does: the handler stops there, and its outcome is unknown.
 func (c *capture) WriteHeader(status int) {
+	if c.status != 0 || c.hijacked {
+		return // superfluous, whatever the code, as net/http's
+	}
 	if status < 100 || status > 999 {
 		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
-	}
-	if c.status != 0 || c.hijacked {
-		return
 	}
 	if status >= 100 && status < 200 && status != http.StatusSwitchingProtocols {
 		c.inform(status)

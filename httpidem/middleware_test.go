@@ -1656,6 +1656,31 @@ func TestInvalidStatusPanicsAsNetHTTP(t *testing.T) {
 	}
 }
 
+// TestSuperfluousWriteHeaderIsIgnored: once the status is written, a
+// second WriteHeader is superfluous whatever its code, as net/http ignores
+// it (a status variable left 0 on some path): the first answer stands and
+// is stored. (For a while the code was checked first: the handler
+// panicked after its 201, the client got no answer and the record UNKNOWN.)
+func TestSuperfluousWriteHeaderIsIgnored(t *testing.T) {
+	eng := newEngine(t, memstore.New())
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng})
+	h := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, `{"id":"ch_1"}`)
+		var status int
+		w.WriteHeader(status)
+	}))
+	for _, want := range []string{"", "true"} {
+		w := httptest.NewRecorder()
+		r := httptest.NewRequest("POST", "/c", strings.NewReader("{}"))
+		r.Header.Set("Idempotency-Key", "k")
+		h.ServeHTTP(w, r)
+		if w.Code != http.StatusCreated || w.Body.String() != `{"id":"ch_1"}` || w.Header().Get("Idempotent-Replayed") != want {
+			t.Fatalf("answer %d %q (replayed %q); want the 201 (replayed %q)", w.Code, w.Body.String(), w.Header().Get("Idempotent-Replayed"), want)
+		}
+	}
+}
+
 // refusingStore refuses to complete a record, as a store refuses params it
 // finds malformed.
 type refusingStore struct{ idem.Store }

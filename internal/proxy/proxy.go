@@ -11,7 +11,8 @@
 //     response stopped mid-body (cut, or nothing for upstream_timeout): the
 //     outcome is unknown, and a retry gets 409 operation-uncertain instead
 //     of a second execution;
-//   - the upstream answered 429 or 503: released;
+//   - the upstream answered 429 or 503: released (stored, unless
+//     explicit_release);
 //   - any other answer is stored and replayed: kept whole, with or without
 //     a Content-Length, up to the size limit; a stream (text/event-stream)
 //     goes through as it comes and is not kept (its retry gets 409

@@ -3,14 +3,18 @@ package sqlitestore_test
 import (
 	"database/sql"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -128,18 +132,25 @@ func TestFailedOpenClosesWhatItOpened(t *testing.T) {
 	}
 }
 
-// TestDamagedPageIsNotUnavailable: a record on a damaged page (a torn write,
-// a bad sector) or a file that is not a database is an error of its own,
-// not ErrUnavailable: the store answered, with a record it cannot read, and
-// a fail-open middleware would run the completed request again. It was
-// ErrUnavailable.
-func TestDamagedPageIsNotUnavailable(t *testing.T) {
+// TestDamagedPageIsRefused: a record on a damaged page (a torn write, a
+// bad sector) or a file that is not a database is refused (ErrRefused, with
+// ErrUnavailable): the store answered, and may hold the record, so a
+// fail-open middleware must not run the request again (it did: the damage
+// was only "unavailable"), and an outcome the store cannot take now waits in
+// the journal for the file to be repaired (for a while it was a plain error,
+// and the outcome of a request that had run was dropped).
+func TestDamagedPageIsRefused(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "idem.db")
 	s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path})
 	if err != nil {
 		t.Fatal(err)
 	}
 	complete(t, s, "k")
+	t0 := time.Now()
+	running, err := s.Acquire(ctx, store.AcquireParams{Key: "running", Fingerprint: payload, Token: "tok", Now: t0, LeaseExpires: t0.Add(time.Minute)})
+	if err != nil {
+		t.Fatal(err)
+	}
 	var root, pageSize int64
 	if err := s.DB().QueryRow(`SELECT rootpage FROM sqlite_schema WHERE name = 'idem_records'`).Scan(&root); err != nil {
 		t.Fatal(err)
@@ -161,9 +172,22 @@ func TestDamagedPageIsNotUnavailable(t *testing.T) {
 	f.Close()
 
 	s = open(t, path)
-	_, err = engine(t, s, nil).Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: "fp"})
-	if err == nil || errors.Is(err, idem.ErrUnavailable) || errors.Is(err, idem.ErrDenied) {
-		t.Errorf("Begin of a record on a damaged page: %v; want an error, neither unavailable nor denied", err)
+	e, err := idem.New(idem.Config{Store: s, JournalDir: t.TempDir(), StoreTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: "fp"})
+	if !errors.Is(err, idem.ErrRefused) || !errors.Is(err, idem.ErrUnavailable) {
+		t.Errorf("Begin of a record on a damaged page: %v; want ErrRefused and ErrUnavailable", err)
+	}
+	lease := idem.Lease{Key: "running", Token: "tok", Fence: running.Fence, Fingerprint: payload, Expires: running.LeaseExpires,
+		Duration: time.Minute, Retention: time.Hour}
+	if err := e.Complete(ctx, lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Errorf("Complete on a damaged page: %v; want the outcome kept in the journal", err)
+	}
+	if out, err := e.Begin(ctx, idem.BeginParams{Key: "running", Fingerprint: payload}); err != nil ||
+		out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` {
+		t.Errorf("a retry of the completed request: %v, %v; want the outcome replayed from the journal", out.Decision, err)
 	}
 
 	notADB := filepath.Join(t.TempDir(), "notes.txt")
@@ -171,8 +195,71 @@ func TestDamagedPageIsNotUnavailable(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = sqlitestore.Open(ctx, sqlitestore.Config{Path: notADB})
-	if err == nil || errors.Is(err, idem.ErrUnavailable) || !strings.Contains(err.Error(), notADB) {
-		t.Errorf("Open of a file that is not a database: %v; want an error naming it, not unavailable", err)
+	if !errors.Is(err, idem.ErrRefused) || !strings.Contains(err.Error(), notADB) {
+		t.Errorf("Open of a file that is not a database: %v; want ErrRefused, naming the file", err)
+	}
+}
+
+// TestAbandonedRecordLockedIsRefused: a record whose lease ran out (the
+// first attempt may have charged) must become UNKNOWN; while another
+// connection holds SQLite's write lock (idem keys purge, a business
+// transaction), the acquire reads the record and cannot write it: refused,
+// so a fail-open middleware does not run the request again (it did: a
+// second charge).
+func TestAbandonedRecordLockedIsRefused(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: path, BusyTimeout: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	t0 := time.Now()
+	if _, err := s.Acquire(ctx, store.AcquireParams{Key: "k", Fingerprint: payload, Token: "crashed",
+		Now: t0.Add(-2 * time.Minute), LeaseExpires: t0.Add(-time.Minute)}); err != nil {
+		t.Fatal(err)
+	}
+	e, err := idem.New(idem.Config{Store: s, StoreTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := httpidem.New(httpidem.Config{Engine: e, FailOpen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	h := mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	db, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(10)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	w := httptest.NewRecorder()
+	r := httptest.NewRequest("POST", "/charges", strings.NewReader(`{"amount":100}`))
+	r.Header.Set("Idempotency-Key", "k")
+	h.ServeHTTP(w, r)
+	if w.Code != http.StatusServiceUnavailable || runs.Load() != 0 {
+		t.Fatalf("a retry of the abandoned request while the write lock is held: %d after %d runs; want 503, no run", w.Code, runs.Load())
+	}
+	if _, err := conn.ExecContext(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	w = httptest.NewRecorder()
+	r = httptest.NewRequest("POST", "/charges", strings.NewReader(`{"amount":100}`))
+	r.Header.Set("Idempotency-Key", "k")
+	h.ServeHTTP(w, r)
+	if w.Code != http.StatusConflict || runs.Load() != 0 {
+		t.Fatalf("a retry once the lock is free: %d after %d runs; want 409 (unknown), no run", w.Code, runs.Load())
 	}
 }
 

@@ -107,12 +107,14 @@ type Config struct {
 // Store keeps records in a SQLite database. Close it when done.
 //
 // Its errors wrap [store.ErrUnavailable] when the database stays locked by
-// another process, cannot be opened or read (an I/O error, a full disk), the
-// store is closed, or a call is not done by its deadline. Those wrap
-// [store.ErrDenied] too when the file or its directory refuses access
-// (permissions, a read-only mount): the file may hold the record, so it is
-// never a reason to fail open. A damaged database, or a file that is not
-// one, is neither: the store answered, with records it cannot read.
+// another process, cannot be opened, read or written (an I/O error, a full
+// disk, a damaged page, a file that is no database), the store is closed,
+// or a call is not done by its deadline: the engine keeps an outcome and
+// tries again. Those wrap [store.ErrDenied] too when the file or its
+// directory refuses access (permissions, a read-only mount), and
+// [store.ErrRefused] when the file is damaged or full, or an acquire read
+// the record and could not write what it decided: the file may hold the
+// record, so neither is ever a reason to fail open.
 type Store struct {
 	db     *sql.DB
 	path   string      // the database file, as configured
@@ -386,6 +388,12 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		}
 		return nil
 	})
+	if existing != nil && errors.Is(err, store.ErrUnavailable) && !errors.Is(err, store.ErrRefused) {
+		// The record was read: the store holds it, and refused (its write
+		// lock held past the deadline) to write what it decided, such as
+		// UNKNOWN for a lease that ran out: no reason to fail open.
+		err = fmt.Errorf("%w: %w", store.ErrRefused, err)
+	}
 	return next, err
 }
 
@@ -743,10 +751,10 @@ func scanRecord(row interface{ Scan(...any) error }) (*store.Record, error) {
 }
 
 // translate maps driver errors into the root's vocabulary, as [Store]'s
-// doc says: SQLITE_BUSY, LOCKED, IOERR, FULL, a closed store and a deadline
-// are unavailable; READONLY, PERM, AUTH, and CANTOPEN for lack of
-// permissions, are denied ([store.Denied]); CORRUPT, NOTADB and the rest
-// are plain errors. The root's sentinels and a cancellation pass through.
+// doc says: SQLITE_BUSY, LOCKED, IOERR, a closed store and a deadline are
+// unavailable; READONLY, PERM, AUTH, and CANTOPEN for lack of permissions,
+// are denied ([store.Denied]); CORRUPT, NOTADB and FULL are refused
+// ([store.Refused]); the rest are plain errors. The root's sentinels and a cancellation pass through.
 func (s *Store) translate(op string, err error) error {
 	if err == nil || errors.Is(err, store.ErrLeaseLost) || errors.Is(err, store.ErrNotFound) ||
 		errors.Is(err, store.ErrInvalid) || errors.Is(err, context.Canceled) {
@@ -772,7 +780,9 @@ func (s *Store) translate(op string, err error) error {
 			return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 		case sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH:
 			return fmt.Errorf("sqlitestore: %s: %w", op, store.Denied(err))
-		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL:
+		case sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_FULL:
+			return fmt.Errorf("sqlitestore: %s: %w", op, store.Refused(err))
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR:
 			return fmt.Errorf("sqlitestore: %s: %w: %w", op, store.ErrUnavailable, err)
 		}
 	}
