@@ -1133,17 +1133,21 @@ var noWrites = []string{"OOM", "MISCONF", "NOREPLICAS", "READONLY"}
 // writesRefused reports whether err is Redis refusing a write, plainly or
 // inside a script's error: it was reached, and holds the record (see
 // [store.ErrRefused]).
-func writesRefused(err error) bool {
+func writesRefused(err error) bool { return replied(err, noWrites) }
+
+// replied reports whether err is a reply of Redis with one of codes, plain
+// or inside a script's error.
+func replied(err error, codes []string) bool {
 	var redisErr redis.Error
 	if !errors.As(err, &redisErr) {
 		return false
 	}
-	for _, code := range noWrites {
+	for _, code := range codes {
 		if redis.HasErrorPrefix(err, code) {
 			return true
 		}
 	}
-	return refusedInScript(redisErr.Error(), noWrites)
+	return refusedInScript(redisErr.Error(), codes)
 }
 
 // denials are the codes of Redis's refusals of the client's credentials or
@@ -1156,19 +1160,7 @@ var denials = []string{"NOAUTH", "WRONGPASS", "NOPERM"}
 // off a client not yet authenticated.
 func denied(err error) bool {
 	var redisErr redis.Error
-	if !errors.As(err, &redisErr) {
-		return false
-	}
-	msg := redisErr.Error()
-	if strings.HasPrefix(msg, "ERR Protocol error: unauthenticated") {
-		return true
-	}
-	for _, code := range denials {
-		if redis.HasErrorPrefix(err, code) {
-			return true
-		}
-	}
-	return refusedInScript(msg, denials)
+	return replied(err, denials) || errors.As(err, &redisErr) && strings.HasPrefix(redisErr.Error(), "ERR Protocol error: unauthenticated")
 }
 
 // refusedInScript reports whether msg is the error of a script whose call
@@ -1203,16 +1195,7 @@ var transients = []string{"OOM", "MISCONF", "NOREPLICAS", "READONLY", "LOADING",
 // records that may pass, beyond unreachable's: see translate.
 func refused(err error) bool {
 	var redisErr redis.Error
-	if !errors.As(err, &redisErr) {
-		return false
-	}
-	for _, code := range refusals {
-		if redis.HasErrorPrefix(err, code) {
-			return true
-		}
-	}
-	msg := redisErr.Error()
-	return refusedInScript(msg, refusals) || refusedInScript(msg, transients)
+	return replied(err, refusals) || errors.As(err, &redisErr) && refusedInScript(redisErr.Error(), transients)
 }
 
 // translateServer turns the error of a call that is not about records
