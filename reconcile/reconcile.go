@@ -93,7 +93,7 @@ type Resolution struct {
 // Resolver finds out what happened to a record's side effect. The record
 // carries its checkpoints and its downstream keys ([idem.Record.DownstreamKey]).
 // Resolve must return once its context ends: the reconciler bounds each call
-// by [Config.ResolveTimeout], and [Reconciler.Stop] cancels it.
+// by [Config.ResolveTimeout].
 type Resolver interface {
 	Resolve(ctx context.Context, rec idem.Record) (Resolution, error)
 }
@@ -155,9 +155,9 @@ type Reconciler struct {
 
 // loop is one run of Start's background passes.
 type loop struct {
-	ctx    context.Context    // the passes' context
-	cancel context.CancelFunc // ends it (Stop)
-	done   chan struct{}      // closed when the loop has ended
+	ctx  context.Context // the passes' context: Start's
+	stop chan struct{}   // closed by Stop: no record after the one under way
+	done chan struct{}   // closed when the loop has ended
 }
 
 // New checks cfg and returns a reconciler.
@@ -226,7 +226,11 @@ type pass struct {
 // calls): every record then waits a grace from now, as owners may have
 // outcomes in their journals to store first. One record whose read or
 // settlement fails is that record's error, left for the next pass.
-func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
+func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) { return r.runOnce(ctx, nil) }
+
+// runOnce is RunOnce, which also ends, before its next record, once stop
+// is closed.
+func (r *Reconciler) runOnce(ctx context.Context, stop <-chan struct{}) (Report, error) {
 	var p pass
 	cursor := ""
 	for {
@@ -239,6 +243,11 @@ func (r *Reconciler) RunOnce(ctx context.Context) (Report, error) {
 		for _, rec := range page.Records {
 			if err := ctx.Err(); err != nil {
 				return p.rep, fmt.Errorf("reconcile: pass cut short: %w", err)
+			}
+			select {
+			case <-stop:
+				return p.rep, errStopped
+			default:
 			}
 			p.rep.Stale++
 			r.settle(ctx, rec, &p)
@@ -471,13 +480,11 @@ func (r *Reconciler) Start(ctx context.Context) {
 	if prev != nil && prev.ctx.Err() == nil {
 		return
 	}
-	l := &loop{done: make(chan struct{})}
-	l.ctx, l.cancel = context.WithCancel(ctx)
+	l := &loop{ctx: ctx, stop: make(chan struct{}), done: make(chan struct{})}
 	r.loop = l
 	go func() {
 		defer close(l.done)
 		defer func() {
-			l.cancel()
 			r.mu.Lock()
 			if r.loop == l {
 				r.loop = nil // a later Start runs again
@@ -487,16 +494,23 @@ func (r *Reconciler) Start(ctx context.Context) {
 		if prev != nil {
 			<-prev.done // one loop at a time
 		}
-		r.run(l.ctx)
+		r.run(l.ctx, l.stop)
 	}()
 }
 
-// run makes a pass now and then every Interval until ctx ends.
-func (r *Reconciler) run(ctx context.Context) {
+// errStopped ends a pass that Stop cut short.
+var errStopped = errors.New("reconcile: stopped")
+
+// run makes a pass now and then every Interval until ctx ends or stop is
+// closed.
+func (r *Reconciler) run(ctx context.Context, stop <-chan struct{}) {
 	ticker := time.NewTicker(r.cfg.Interval)
 	defer ticker.Stop()
 	for ctx.Err() == nil {
-		rep, err := r.RunOnce(ctx)
+		rep, err := r.runOnce(ctx, stop)
+		if errors.Is(err, errStopped) {
+			return
+		}
 		if err == nil && r.cfg.OnPass != nil {
 			r.cfg.OnPass(rep)
 		}
@@ -510,23 +524,24 @@ func (r *Reconciler) run(ctx context.Context) {
 		}
 		select {
 		case <-ctx.Done():
+		case <-stop:
+			return
 		case <-ticker.C:
 		}
 	}
 }
 
-// Stop ends the background passes and waits for them to end. It cancels
-// the pass under way at once: what it settled stays settled, and the
-// record it was working on (its resolver's call, which must return when its
-// context ends) is left for a later pass. Stop returns when that call has
-// returned.
+// Stop ends the background passes and waits for them to end: the pass
+// under way settles the record it is on (its resolver's call bounded by
+// [Config.ResolveTimeout]) and stops there; the records after it are left
+// for a later pass.
 func (r *Reconciler) Stop() {
 	r.mu.Lock()
 	l := r.loop
 	r.loop = nil
 	r.mu.Unlock()
 	if l != nil {
-		l.cancel()
+		close(l.stop)
 		<-l.done
 	}
 }

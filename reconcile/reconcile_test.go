@@ -777,14 +777,16 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 	return l.w.Write(p)
 }
 
-// TestStopCancelsAHungResolver: Stop returns at once, though the resolver
-// would hold the pass for its whole timeout: it cancels the pass.
-func TestStopCancelsAHungResolver(t *testing.T) {
+// TestStopWaitsForTheRecordUnderWayOnly: Stop lets the pass settle the
+// record it is on, its resolver's call bounded by ResolveTimeout (a call
+// that hangs held Stop for good), and leaves the records after it.
+func TestStopWaitsForTheRecordUnderWayOnly(t *testing.T) {
 	w := newWorld(t)
-	w.begin(t, "hung", false)
+	w.begin(t, "a-hung", false)
+	w.begin(t, "b-next", false)
 	w.clock.Advance(2 * time.Minute)
-	entered := make(chan struct{}, 1)
-	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: quiet, // ResolveTimeout: 30 s, the default
+	entered := make(chan struct{}, 2)
+	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: quiet, ResolveTimeout: 2 * time.Second,
 		Resolver: reconcile.ResolverFunc(func(ctx context.Context, _ idem.Record) (reconcile.Resolution, error) {
 			entered <- struct{}{}
 			<-ctx.Done()
@@ -795,9 +797,14 @@ func TestStopCancelsAHungResolver(t *testing.T) {
 	}
 	r.Start(ctx)
 	wait.Recv(t, entered, 10*time.Second, "the resolver's call")
-	wait.Done(t, 5*time.Second, "Stop, with the resolver's call in flight", r.Stop)
-	if out := w.decide(t, "hung"); out.Decision != idem.Uncertain {
-		t.Fatalf("the record the stopped pass was on: %v; want it left unsettled", out.Decision)
+	wait.Done(t, 10*time.Second, "Stop, with the resolver's call in flight (ResolveTimeout 2s)", r.Stop)
+	if n := len(entered); n != 0 {
+		t.Fatalf("the resolver was asked about %d more record(s) after Stop", n)
+	}
+	for _, key := range []string{"a-hung", "b-next"} {
+		if out := w.decide(t, key); out.Decision != idem.Uncertain {
+			t.Fatalf("%s after the stopped pass: %v; want it left unsettled", key, out.Decision)
+		}
 	}
 }
 
