@@ -333,7 +333,7 @@ func (r *Reconciler) settle(ctx context.Context, rec idem.Record, p *pass) {
 }
 
 // failed counts a record the pass could not handle and logs why, unless the
-// pass itself was cut short (ctx ended: Stop, or the caller's context).
+// pass itself was cut short (its context ended).
 func (r *Reconciler) failed(ctx context.Context, p *pass, log *slog.Logger, msg string, args ...any) {
 	p.rep.Errors++
 	if ctx.Err() == nil {
