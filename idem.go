@@ -103,7 +103,8 @@ var (
 	// and is never a reason to fail open.
 	ErrDenied = store.ErrDenied
 	// ErrRefused: the store was reached and refused the call for a reason
-	// of its own (it takes no writes now, or rolled the call back); it
+	// of its own (it takes no writes now, rolled the call back, or its
+	// data is damaged); it
 	// comes with ErrUnavailable, and is never a reason to fail open.
 	ErrRefused = store.ErrRefused
 )

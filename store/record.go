@@ -69,11 +69,12 @@ var (
 	// never a reason to fail open, since the store, reached, may hold the
 	// record.
 	ErrDenied = errors.New("idem: store refused access")
-	// ErrRefused: the store was reached, and could read the record, but
-	// refused the call for a reason of its own that may pass: it takes no
-	// writes now (out of memory, a read-only replica, a full disk, too
-	// few replicas), or it rolled the call back (a lock not had in time,
-	// a deadlock). Stores wrap it together with [ErrUnavailable], since
+	// ErrRefused: the store was reached, and holds the record, but refused
+	// the call for a reason of its own that may pass: it takes no writes
+	// now (out of memory, a read-only replica, a full disk, too few
+	// replicas), it rolled the call back (a lock not had in time, a
+	// deadlock), or the page the record is on is damaged (until it is
+	// repaired). Stores wrap it together with [ErrUnavailable], since
 	// the call may succeed when tried again (an outcome is kept to try
 	// again); like [ErrDenied], it is never a reason to fail open: the
 	// record, which the store holds, may say the request ran (a lease
