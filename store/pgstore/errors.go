@@ -69,9 +69,9 @@ func refused(err error) bool {
 
 // unavailable reports whether err means that the store could not be reached
 // or did not answer, so that the outcome of the call is not known, or that
-// it refused the call for a reason of the moment (its transaction rolled
-// back, a lock not had in time): nothing was written, and the call may
-// succeed when tried again.
+// it could not take the call now (too many connections, a statement
+// cancelled by its timeout, a shutdown): the call may succeed when tried
+// again.
 func unavailable(err error) bool {
 	switch {
 	case errors.Is(err, context.Canceled):
@@ -90,13 +90,12 @@ func unavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		code := pgErr.Code
+		// (The refusals of a server that reads, a rolled-back transaction,
+		// a lock not had, a standby, are refused's: translate asks it first.)
 		return strings.HasPrefix(code, "08") || // connection exception
-			strings.HasPrefix(code, "53") || // insufficient resources: too many connections, disk full, out of memory
+			strings.HasPrefix(code, "53") || // insufficient resources: too many connections
 			strings.HasPrefix(code, "57P") || // operator intervention: admin or crash shutdown, cannot connect now
-			code == "57014" || // query canceled: statement_timeout, the server did not answer in time
-			strings.HasPrefix(code, "40") || // transaction rolled back: deadlock, serialization failure
-			code == "55P03" || // lock not available: lock_timeout
-			code == "25006" // read-only transaction: a standby, e.g. mid-failover
+			code == "57014" // query canceled: statement_timeout, the server did not answer in time
 	}
 	if pgconn.Timeout(err) || pgconn.SafeToRetry(err) {
 		return true
