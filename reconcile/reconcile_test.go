@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/reconcile"
 	"github.com/idemhq/idem/store"
@@ -733,9 +734,8 @@ func TestAHungResolverTimesOut(t *testing.T) {
 	w.begin(t, "hung", false)
 	w.begin(t, "next", false)
 	w.clock.Advance(2 * time.Minute)
-	var logged strings.Builder
-	var mu sync.Mutex
-	log := slog.New(slog.NewTextHandler(lockedWriter{&mu, &logged}, nil))
+	var logged testkit.SyncBuffer
+	log := slog.New(slog.NewTextHandler(&logged, nil))
 	r, err := reconcile.New(reconcile.Config{Engine: w.eng, Logger: log, ResolveTimeout: 50 * time.Millisecond,
 		Resolver: reconcile.ResolverFunc(func(ctx context.Context, rec idem.Record) (reconcile.Resolution, error) {
 			if rec.Key == "hung" {
@@ -752,9 +752,7 @@ func TestAHungResolverTimesOut(t *testing.T) {
 	if err != nil || rep.Errors != 1 || rep.Failed != 1 {
 		t.Fatalf("report %+v, %v; want the hung record an error, the next one settled", rep, err)
 	}
-	mu.Lock()
 	line := logged.String()
-	mu.Unlock()
 	if !strings.Contains(line, "did not answer in time") || !strings.Contains(line, idem.KeyHash("", "hung")) {
 		t.Fatalf("log %q; want the record that timed out named", line)
 	}
@@ -764,17 +762,6 @@ func TestAHungResolverTimesOut(t *testing.T) {
 	if _, err := reconcile.New(reconcile.Config{Engine: w.eng, Resolver: acquirer{}, ResolveTimeout: -time.Second}); !errors.Is(err, idem.ErrInvalid) {
 		t.Fatalf("a negative resolve timeout: %v", err)
 	}
-}
-
-type lockedWriter struct {
-	mu *sync.Mutex
-	w  io.Writer
-}
-
-func (l lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // TestStopWaitsForTheRecordUnderWayOnly: Stop lets the pass settle the

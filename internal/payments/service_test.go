@@ -12,7 +12,6 @@ import (
 	"net/http/httptest"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -352,7 +351,7 @@ func TestAcquirerAnswers(t *testing.T) {
 		acq.ServeHTTP(w, r)
 	}))
 	t.Cleanup(srv.Close)
-	var log syncBuffer
+	var log testkit.SyncBuffer
 	f := newServiceOn(t, sqliteStore(t), srv.URL, &log)
 	body := `{"amount":1000,"currency":"eur","customer":"cus_1"}`
 	for _, status := range []int{http.StatusNotFound, http.StatusBadRequest} {
@@ -393,24 +392,6 @@ func sqliteStore(t *testing.T) idem.Store {
 	}
 	t.Cleanup(func() { store.Close() })
 	return store
-}
-
-// syncBuffer is a log the service writes while the test reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 // TestBalanceIsPerCurrency: charges in two currencies are two balances

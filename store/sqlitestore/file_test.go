@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/httpidem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/sqlitestore"
 )
@@ -23,13 +24,7 @@ import (
 func complete(t *testing.T, s *sqlitestore.Store, key string) {
 	t.Helper()
 	t0 := time.Now()
-	if _, err := s.Acquire(ctx, store.AcquireParams{Key: key, Fingerprint: "fp", Token: "tok", Now: t0, LeaseExpires: t0.Add(time.Minute)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Finish(ctx, store.FinishParams{Key: key, Token: "tok", Now: t0, State: store.StateCompleted,
-		Response: &store.Response{Status: 201}, Expires: t0.Add(time.Hour)}); err != nil {
-		t.Fatal(err)
-	}
+	testkit.Finish(t, s, testkit.Acquire(t, s, "", key, t0, time.Minute), t0, store.StateCompleted, time.Hour)
 }
 
 // openFiles counts the descriptors this process holds on files in dir.
