@@ -105,7 +105,9 @@ const MaxScopeLen = 255
 
 // Response is the stored outcome of a request: what a replay sends back.
 type Response struct {
-	// Status is the HTTP status code (100–999).
+	// Status is the HTTP status code: a final one (200–999), or 101 for a
+	// connection the handler took over. A 1xx is an interim answer: net/http
+	// would send a replay of it followed by an empty 200.
 	Status int
 	// Header holds the headers to replay. Nil means none.
 	Header http.Header

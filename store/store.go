@@ -258,8 +258,8 @@ func (p FinishParams) Validate() error {
 		if p.Response == nil {
 			return invalid("a completed record needs a response")
 		}
-		if p.Response.Status < 100 || p.Response.Status > 999 {
-			return invalid("response status %d is not a valid HTTP status", p.Response.Status)
+		if st := p.Response.Status; st < 200 && st != http.StatusSwitchingProtocols || st > 999 {
+			return invalid("response status %d is not a final HTTP status (200 to 999; a 1xx is an interim answer, which a replay would follow with an empty 200)", st)
 		}
 		if p.Response.BodyOmitted && len(p.Response.Body) > 0 {
 			return invalid("a response whose body is omitted cannot carry one")

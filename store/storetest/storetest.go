@@ -1200,6 +1200,7 @@ func testInvalidInput(t *testing.T, h *harness) {
 	errs["Renew without token"] = h.store.Renew(ctx, store.RenewParams{Key: "k", Now: now, LeaseExpires: now.Add(lease)})
 	errs["Finish completed without response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Expires: now.Add(time.Hour)})
 	errs["Finish with status 42"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 42}, Expires: now.Add(time.Hour)})
+	errs["Finish with an interim status, 102"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 102}, Expires: now.Add(time.Hour)})
 	errs["Finish with an omitted body and a body"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateCompleted, Response: &idem.Response{Status: 200, Body: []byte("x"), BodyOmitted: true}, Expires: now.Add(time.Hour)})
 	errs["Finish as in progress"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateInProgress})
 	errs["Finish failed with a response"] = h.store.Finish(ctx, idem.FinishParams{Key: "k", Token: tok, Now: now, State: idem.StateFailed, Response: okResponse("x"), Expires: now.Add(time.Hour)})
