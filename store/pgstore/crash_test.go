@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -146,5 +147,58 @@ func TestRecordsDueAfterACrash(t *testing.T) {
 		if err != nil || r.State != idem.StateInProgress {
 			t.Fatalf("running-%d after the prune: %+v, %v", i, r, err)
 		}
+	}
+}
+
+// TestDamagedPageIsRefused: a read of a damaged page (SQLSTATE XX001,
+// data_corrupted) is a refusal, as store.ErrRefused says (the store was
+// reached and holds the record), so it wraps ErrRefused and ErrUnavailable
+// and the engine keeps a completed outcome to try again. It was a plain
+// error, and the outcome the client saw was dropped.
+func TestDamagedPageIsRefused(t *testing.T) {
+	t.Parallel()
+	dsn, crash := privateServer(t)
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+	var path string
+	if err := pool.QueryRow(ctx, `SELECT current_setting('data_directory') || '/' || pg_relation_filepath('idem.records')`).Scan(&path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, "CHECKPOINT"); err != nil { // the page is in the file
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	garbage := make([]byte, 24) // the page header of block 0
+	for i := range garbage {
+		garbage[i] = 0xff
+	}
+	if _, err := f.WriteAt(garbage, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	crash() // drops shared buffers: the next read of block 0 comes from the file
+	wait.Until(t, 30*time.Second, "the server to answer again", func() bool {
+		_, err := pool.Exec(ctx, "SELECT 1")
+		return err == nil
+	})
+	err = s.Finish(ctx, completeParams("k", "tok", t0.Add(time.Second)))
+	if err == nil {
+		t.Fatal("Finish on a damaged page succeeded")
+	}
+	if !errors.Is(err, store.ErrRefused) || !errors.Is(err, store.ErrUnavailable) {
+		t.Fatalf("Finish on a damaged page = %v; want ErrRefused and ErrUnavailable", err)
 	}
 }

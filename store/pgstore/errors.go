@@ -51,16 +51,19 @@ func denied(err error) bool {
 // for a reason that may pass (see [store.ErrRefused]): a read-only
 // transaction (a standby), a full disk or its memory short, a lock not had
 // in time (lock_timeout: the row of a request running in its business
-// transaction), a transaction rolled back (deadlock, serialization). (A
-// statement cancelled, 57014, is not: the cancel may be the caller's
-// deadline, the store too slow to answer.)
+// transaction), a transaction rolled back (deadlock, serialization), a
+// damaged page of the table or of an index (XX001 data_corrupted, XX002
+// index_corrupted: until it is repaired). (A statement cancelled, 57014,
+// is not: the cancel may be the caller's deadline, the store too slow to
+// answer.)
 func refused(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.Is(err, context.Canceled) || !errors.As(err, &pgErr) {
 		return false
 	}
 	switch code := pgErr.Code; {
-	case code == "25006", code == "53100", code == "53200", code == "55P03":
+	case code == "25006", code == "53100", code == "53200", code == "55P03",
+		code == "XX001", code == "XX002":
 		return true
 	default:
 		return strings.HasPrefix(code, "40")

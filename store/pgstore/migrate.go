@@ -55,9 +55,9 @@ func migrations() ([]migration, error) {
 	return ms, nil
 }
 
-// Migrate creates the schema and applies the embedded migrations that it has
-// not applied yet, recording each in <schema>.migrations. It is idempotent and
-// safe to run from several processes at once: everything happens in one
+// Migrate creates the schema unless it exists (see [Config.Schema]) and
+// applies the embedded migrations that it has not applied yet, recording
+// each in <schema>.migrations. It is idempotent and safe to run from several processes at once: everything happens in one
 // transaction that first takes a transaction-level advisory lock on the
 // schema's name, so concurrent callers queue, and each finds what the previous
 // one applied. When everything is applied already it changes nothing and needs
@@ -137,8 +137,10 @@ func (s *Store) migrate(ctx context.Context, ms []migration) error {
 		return translate("migrate", err)
 	}
 	if !exists {
-		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+schema+";\n"+
-			"CREATE TABLE IF NOT EXISTS "+table+" (version integer PRIMARY KEY, applied timestamptz NOT NULL)"); err != nil {
+		if err := s.createSchema(ctx, tx); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+table+" (version integer PRIMARY KEY, applied timestamptz NOT NULL)"); err != nil {
 			return translate("migrate", err)
 		}
 	}
@@ -171,6 +173,31 @@ func (s *Store) migrate(ctx context.Context, ms []migration) error {
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {
+		return translate("migrate", err)
+	}
+	return nil
+}
+
+// createSchema creates the schema unless it exists. An existing schema is
+// used as it is: CREATE SCHEMA IF NOT EXISTS would not do, since PostgreSQL
+// checks the role's CREATE privilege on the database before it looks for
+// the schema, and a role given a schema of its own by a DBA (CREATE SCHEMA
+// … AUTHORIZATION app) needs no such privilege.
+func (s *Store) createSchema(ctx context.Context, tx pgx.Tx) error {
+	var exists bool
+	if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = $1)", s.schema).Scan(&exists); err != nil {
+		return translate("migrate", err)
+	}
+	if exists {
+		return nil
+	}
+	// IF NOT EXISTS: a schema created since by another, which took no
+	// advisory lock (an operator), is no error.
+	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{s.schema}.Sanitize()); err != nil {
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "42501" {
+			err = fmt.Errorf("schema %q does not exist, and the role may not create it "+
+				"(create it for the role, or grant the role CREATE on the database): %w", s.schema, err)
+		}
 		return translate("migrate", err)
 	}
 	return nil

@@ -172,8 +172,15 @@ type Config struct {
 	// not close it.
 	Pool *pgxpool.Pool
 	// Schema is the PostgreSQL schema that holds the records and migrations
-	// tables; it is created if missing. Any name up to 63 bytes is accepted
-	// and quoted. Defaults to [DefaultSchema].
+	// tables. Any name up to 63 bytes is accepted and quoted. Defaults to
+	// [DefaultSchema].
+	//
+	// An existing schema is used as it is: applying migrations needs USAGE
+	// and CREATE on it (a schema created for the pool's role, CREATE
+	// SCHEMA … AUTHORIZATION role, has both), and no privilege on the
+	// database beyond CONNECT. A missing schema is created, which needs
+	// CREATE on the database; without it, New fails with an error
+	// wrapping [store.ErrDenied] that names the schema.
 	Schema string
 	// NoMigrate stops New from applying the migrations (run [Store.Migrate]
 	// yourself, or manage the schema elsewhere). Defaults to false: New

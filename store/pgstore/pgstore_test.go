@@ -2,6 +2,8 @@ package pgstore_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -995,6 +997,103 @@ func TestSchemaNameIsQuoted(t *testing.T) {
 	mustAcquire(t, s, acquireParams("k", "tok", t0))
 	if n := countRows(t, pool, "SELECT count(*) FROM "+table(schema, "records")); n != 1 {
 		t.Fatalf("%d rows in the quoted schema's table, want 1", n)
+	}
+}
+
+// loginRole creates a role that may log in and has no privilege beyond
+// PUBLIC's (on the test database: CONNECT and TEMP, not CREATE), dropped
+// when the test ends (after anything the test created later and dropped
+// in its own cleanup, such as a schema it owns), and a pool that logs in
+// as it, closed when the test ends.
+func loginRole(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	admin := sharedPool(t)
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	role := "rvpg_app_" + hex.EncodeToString(b[:])
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+pgx.Identifier{role}.Sanitize()); err != nil {
+			t.Errorf("dropping role %s: %v", role, err)
+		}
+	})
+	cfg, err := pgxpool.ParseConfig(databaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var create bool
+	if err := pool.QueryRow(ctx, "SELECT has_database_privilege(current_database(), 'CREATE')").Scan(&create); err != nil {
+		t.Fatal(err)
+	}
+	if create {
+		t.Fatalf("role %s may create schemas in the test database (CREATE granted to PUBLIC?): the test needs a database that does not grant it", role)
+	}
+	return role, pool
+}
+
+// TestNewOnAPreCreatedSchema: a DBA creates the schema for the
+// application's role (CREATE SCHEMA … AUTHORIZATION app) and grants it no
+// CREATE on the database (least privilege). New used to run CREATE SCHEMA
+// IF NOT EXISTS, which PostgreSQL refuses without CREATE on the database
+// even when the schema exists; it now uses the schema as it is.
+func TestNewOnAPreCreatedSchema(t *testing.T) {
+	t.Parallel()
+	admin := sharedPool(t)
+	role, pool := loginRole(t)
+	schema := newSchema(t)
+	sql := "CREATE SCHEMA " + pgx.Identifier{schema}.Sanitize() + " AUTHORIZATION " + pgx.Identifier{role}.Sanitize()
+	if _, err := admin.Exec(ctx, sql); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatalf("New on a schema the role owns: %v", err)
+	}
+	mustAcquire(t, s, acquireParams("k", "tok", t0))
+	mustAcquire(t, s, acquireParams("running", "tok", t0))
+	if err := s.Finish(ctx, completeParams("k", "tok", t0)); err != nil {
+		t.Fatalf("Finish as the role: %v", err)
+	}
+	// The rest of the store's work needs no more than the schema either:
+	// the rebuild of records_due (emptied, as a crash empties it) under its
+	// advisory lock, a scan, a prune, and a second New that finds all applied.
+	if _, err := admin.Exec(ctx, "DELETE FROM "+table(schema, "records_due")); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := s.Scan(ctx, store.ScanParams{Now: t0.Add(time.Minute)}); err != nil || len(res.Records) != 1 {
+		t.Fatalf("Scan as the role = %+v, %v; want the running record", res, err)
+	}
+	if n, err := s.Prune(ctx, store.PruneParams{Now: t0.Add(time.Hour)}); err != nil || n != 1 {
+		t.Fatalf("Prune as the role = %d, %v; want the completed record", n, err)
+	}
+	if _, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema}); err != nil {
+		t.Fatalf("New again on the migrated schema: %v", err)
+	}
+}
+
+// TestNewOnAMissingSchemaItCannotCreate: a role without CREATE on the
+// database, whose schema does not exist, is denied (ErrDenied, as before),
+// and the error says which schema is missing.
+func TestNewOnAMissingSchemaItCannotCreate(t *testing.T) {
+	t.Parallel()
+	_, pool := loginRole(t)
+	schema := newSchema(t)
+	_, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if !errors.Is(err, idem.ErrDenied) || !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("New on a missing schema the role cannot create = %v; want ErrDenied and ErrUnavailable", err)
+	}
+	if msg := err.Error(); !strings.Contains(msg, strconv.Quote(schema)) || !strings.Contains(msg, "does not exist") {
+		t.Fatalf("New on a missing schema the role cannot create = %q; want it to name the schema and say it does not exist", msg)
 	}
 }
 
