@@ -57,11 +57,12 @@ func migrations() ([]migration, error) {
 
 // Migrate creates the schema unless it exists (see [Config.Schema]) and
 // applies the embedded migrations that it has not applied yet, recording
-// each in <schema>.migrations. It is idempotent and safe to run from several processes at once: everything happens in one
-// transaction that first takes a transaction-level advisory lock on the
-// schema's name, so concurrent callers queue, and each finds what the previous
-// one applied. When everything is applied already it changes nothing and needs
-// no privilege beyond reading the migrations table. New calls it unless
+// each in <schema>.migrations. It is idempotent and safe to run from several
+// processes at once: everything happens in one transaction that first takes
+// a transaction-level advisory lock on the schema's name, so concurrent
+// callers queue, and each finds what the previous one applied. When
+// everything is applied already it changes nothing and needs no privilege
+// beyond reading the migrations table. New calls it unless
 // [Config.NoMigrate] is set.
 //
 // A migration that changes records needs a lock that waits for every
