@@ -179,9 +179,15 @@
 // credential source that failed before the request could be signed (STS
 // throttling, an identity provider out of reach), whatever its code: the
 // same request may succeed later, so the engine keeps an outcome it could
-// not store rather than drop it. A cancelled context stays recognisable with
-// errors.Is(err, context.Canceled) and is not ErrUnavailable. The SDK's
-// error stays in the chain for logs, but no SDK type is part of the API.
+// not store rather than drop it. An acquire that found the record (its
+// put's condition failed) and then failed so, to read it or to write it
+// (throttled, say, while it marks a lease that ran out UNKNOWN), wraps
+// [store.ErrRefused] too: DynamoDB holds the record, which may say the
+// request ran, so the middleware's fail_open never runs it; the same
+// failure of the put of a new key wraps ErrUnavailable alone. A cancelled
+// context stays recognisable with errors.Is(err, context.Canceled) and is
+// not ErrUnavailable. The SDK's error stays in the chain for logs, but no
+// SDK type is part of the API.
 //
 // # Testing locally
 //

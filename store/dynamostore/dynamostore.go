@@ -205,10 +205,29 @@ func (s *Store) update(ctx context.Context, op, pk string, e *expr, update, cond
 // version that was read (same token and version), repeated on a lost race.
 // A server that does not send the item back with a failed condition costs
 // one consistent GetItem more.
+//
+// Once DynamoDB has shown that the record exists (a failed condition), a
+// call of the same Acquire that fails for a reason that may pass
+// (throttling, a transaction holding the item, a 5xx, a broken
+// connection, a deadline, the item changing under every attempt) wraps
+// [store.ErrRefused] as well as [store.ErrUnavailable]: DynamoDB holds the
+// record, which may say the request ran (a lease that ran out must become
+// UNKNOWN), so it is no reason to fail open. Before that (the put of a new
+// key), such a failure wraps [store.ErrUnavailable] alone.
 func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Record, error) {
 	if err := store.Ready(ctx, "dynamostore", "acquire", p); err != nil {
 		return store.Record{}, err
 	}
+	r, seen, err := s.acquire(ctx, p)
+	if seen && errors.Is(err, store.ErrUnavailable) && !errors.Is(err, store.ErrRefused) && !errors.Is(err, store.ErrDenied) {
+		err = fmt.Errorf("%w (the record exists): %w", store.ErrRefused, err)
+	}
+	return r, err
+}
+
+// acquire is [Store.Acquire] once p is ready; seen reports whether
+// DynamoDB showed that the record exists (a failed condition) before err.
+func (s *Store) acquire(ctx context.Context, p store.AcquireParams) (_ store.Record, seen bool, _ error) {
 	p.Now, p.LeaseExpires = trunc(p.Now), trunc(p.LeaseExpires)
 	pk := pkOf(p.Scope, p.Key)
 	var cur *stored
@@ -219,7 +238,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		}
 		next, write := p.Apply(existing)
 		if !write {
-			return next, nil
+			return next, seen, nil
 		}
 		e := newExpr()
 		var cond string
@@ -233,7 +252,7 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 		}
 		item, err := s.encode(&next, ver)
 		if err != nil {
-			return store.Record{}, fmt.Errorf("dynamostore: acquire: %w", err)
+			return store.Record{}, seen, fmt.Errorf("dynamostore: acquire: %w", err)
 		}
 		_, err = s.client.PutItem(ctx, &dynamodb.PutItemInput{
 			TableName:                           &s.table,
@@ -244,17 +263,18 @@ func (s *Store) Acquire(ctx context.Context, p store.AcquireParams) (store.Recor
 			ReturnValuesOnConditionCheckFailure: types.ReturnValuesOnConditionCheckFailureAllOld,
 		})
 		if err == nil {
-			return next, nil
+			return next, seen, nil
 		}
 		ccf, ok := isConditionFailed(err)
 		if !ok {
-			return store.Record{}, s.translate("acquire", err)
+			return store.Record{}, seen, s.translate("acquire", err)
 		}
+		seen = true // the condition failed: the item exists
 		if cur, err = s.current(ctx, "acquire", pk, ccf); err != nil {
-			return store.Record{}, err
+			return store.Record{}, seen, err
 		}
 	}
-	return store.Record{}, fmt.Errorf("dynamostore: acquire: %w: the item kept changing under %d attempts", store.ErrUnavailable, maxAttempts)
+	return store.Record{}, seen, fmt.Errorf("dynamostore: acquire: %w: the item kept changing under %d attempts", store.ErrUnavailable, maxAttempts)
 }
 
 // Renew implements [store.Store]: one conditional UpdateItem.

@@ -27,8 +27,11 @@
 // Size it so that it never evicts (watch the evictions counter of "stats"),
 // or run it with -M, which makes it answer a write it has no room for with
 // an error instead of evicting: the store then fails closed with
-// [store.ErrUnavailable] rather than forget a record. Or use a store that
-// persists (SQLite, PostgreSQL, Redis with appendonly). This store is for teams who already run Memcached and who
+// [store.ErrRefused] (wrapped with [store.ErrUnavailable]) rather than
+// forget a record, so the middleware's fail_open never runs a request
+// while Memcached is full (the record it cannot write may say the request
+// ran). Or use a store that persists (SQLite, PostgreSQL, Redis with
+// appendonly). This store is for teams who already run Memcached and who
 // accept a rare duplicate after an eviction or a restart in exchange for
 // its latency; not for payments whose duplicates cost money.
 //
@@ -188,7 +191,10 @@
 // record gives [store.ErrLeaseLost], a missing or expired record
 // [store.ErrNotFound], and a failure to reach Memcached or to get its answer
 // (refused or broken connections, timeouts, no servers, a SERVER_ERROR
-// reply) wraps [store.ErrUnavailable]. gomemcache takes no context: the
+// reply) wraps [store.ErrUnavailable]. A write refused for want of memory
+// (SERVER_ERROR out of memory, from a memcached run with -M) wraps
+// [store.ErrRefused] too: Memcached was reached, and may hold the record,
+// so it is never a reason to fail open. gomemcache takes no context: the
 // store checks ctx before every call, so a cancelled or expired context
 // stops an operation between two round trips (and errors.Is finds the
 // context's error), but a call in flight runs until the client's Timeout
@@ -743,7 +749,9 @@ func (s *Store) Prune(ctx context.Context, p store.PruneParams) (int, error) {
 // item the server refused as too large wraps [store.ErrInvalid] (Config.MaxItem
 // is above the server's limit, and the record could not be made smaller:
 // see [Store.Finish]); a malformed key or a CLIENT_ERROR reply (a
-// bug) is wrapped as it is; anything else is a failure to reach Memcached or
+// bug) is wrapped as it is; a write refused for want of memory (SERVER_ERROR
+// out of memory, memcached -M) is [store.Refused]: the server was reached,
+// and may hold the record; anything else is a failure to reach Memcached or
 // to get its answer (network errors, timeouts, no servers, SERVER_ERROR) and
 // wraps [store.ErrUnavailable].
 func translate(op string, err error) error {
@@ -753,6 +761,8 @@ func translate(op string, err error) error {
 		return fmt.Errorf("memcachedstore: %s: %w", op, err)
 	case strings.Contains(msg, "SERVER_ERROR object too large"):
 		return fmt.Errorf("memcachedstore: %s: %w: the server's item size limit is below Config.MaxItem: %w", op, store.ErrInvalid, err)
+	case strings.Contains(msg, "SERVER_ERROR out of memory"):
+		return fmt.Errorf("memcachedstore: %s: %w", op, store.Refused(err))
 	case errors.Is(err, memcache.ErrMalformedKey), strings.Contains(msg, "CLIENT_ERROR"):
 		return fmt.Errorf("memcachedstore: %s: %w", op, err)
 	}

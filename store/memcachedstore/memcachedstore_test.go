@@ -1157,12 +1157,21 @@ func TestTranslate(t *testing.T) {
 		"connect timeout": &memcache.ConnectTimeoutError{Addr: &net.TCPAddr{}},
 		"no servers":      memcache.ErrNoServers,
 		"server error":    memcache.ErrServerError,
-		"out of memory":   fmt.Errorf("memcache: unexpected response line from %q: %q", "cas", "SERVER_ERROR out of memory storing object\r\n"),
 		"eof":             io.EOF,
 		"deadline":        fmt.Errorf("read: %w", context.DeadlineExceeded),
 	} {
-		if got := translate("get", err); !errors.Is(got, idem.ErrUnavailable) || !errors.Is(got, err) {
-			t.Errorf("%s: %v, want ErrUnavailable wrapping the cause", name, got)
+		if got := translate("get", err); !errors.Is(got, idem.ErrUnavailable) || errors.Is(got, store.ErrRefused) || !errors.Is(got, err) {
+			t.Errorf("%s: %v, want ErrUnavailable (not ErrRefused) wrapping the cause", name, got)
+		}
+	}
+	// memcached -M refuses a write it has no room for: reached, it may
+	// hold the record, so this is never a reason to fail open.
+	for name, err := range map[string]error{
+		"out of memory storing": fmt.Errorf("memcache: unexpected response line from %q: %q", "cas", "SERVER_ERROR out of memory storing object\r\n"),
+		"out of memory append":  fmt.Errorf("memcache: unexpected response line from %q: %q", "append", "SERVER_ERROR out of memory storing object\r\n"),
+	} {
+		if got := translate("acquire", err); !errors.Is(got, idem.ErrUnavailable) || !errors.Is(got, store.ErrRefused) || !errors.Is(got, err) {
+			t.Errorf("%s: %v, want ErrUnavailable and ErrRefused wrapping the cause", name, got)
 		}
 	}
 	tooLarge := translate("finish", fmt.Errorf("memcache: unexpected response line from %q: %q", "cas", "SERVER_ERROR object too large for cache\r\n"))
