@@ -228,8 +228,11 @@ type Config struct {
 	Wait time.Duration `yaml:"wait"`
 	// TakeoverSafe declares that the handler's effects all commit together
 	// with the record, so an expired lease may be taken over and a panic
-	// releases the key instead of making the outcome unknown. Defaults to
-	// false.
+	// before the handler began its answer releases the key instead of
+	// making the outcome unknown. (A panic once it began one, a status
+	// written, as a reverse proxy's abort when its upstream's body breaks
+	// off, still makes the outcome unknown: the handler may have acted.)
+	// Defaults to false.
 	TakeoverSafe bool `yaml:"takeover_safe"`
 	// Lease overrides the engine's lease for these requests. Defaults to
 	// the engine's.
@@ -933,14 +936,21 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			keep(lease)
 			return
 		}
+		// A takeover-safe handler's effects commit with its record, so a
+		// panic before it began any answer left none: the key is released.
+		// Once it began one (a status, a body buffered, flushed or hijacked
+		// away: httputil.ReverseProxy aborts mid-body after the upstream
+		// answered), or said its outcome is unknown, it may have acted:
+		// unknown, as on any other route, never a second run.
+		released := m.cfg.TakeoverSafe && c.status == 0 && !c.hijacked && state.verdict.Load() != verdictUnknown
 		var err error
-		if m.cfg.TakeoverSafe {
+		if released {
 			err = eng.Release(settle, lease)
 		} else {
 			err = eng.MarkUnknown(settle, lease)
 		}
 		ran(nil)
-		log().Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[m.cfg.TakeoverSafe], "err", err)
+		log().Error("idempotency: handler panicked", "settled_as", map[bool]string{true: "failed", false: "unknown"}[released], "status", c.status, "err", err)
 	}()
 	next.ServeHTTP(c, r.WithContext(ctx))
 	panicked = false

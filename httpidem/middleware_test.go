@@ -386,6 +386,104 @@ func TestPanicMakesOutcomeUncertain(t *testing.T) {
 	})
 }
 
+// TestPanicAfterAnswerBegunIsNeverReleased: on a TakeoverSafe route a panic
+// releases the key only when the handler had begun no answer. Once it has
+// (a status written, a body buffered, flushed or hijacked away, as
+// httputil.ReverseProxy aborts with http.ErrAbortHandler when its
+// upstream's body breaks off after the upstream answered), or has said its
+// outcome is unknown, it may have acted: the retry gets 409
+// operation-uncertain and the handler runs once. (Every panic released the
+// key on such a route, and the retry ran again.)
+func TestPanicAfterAnswerBegunIsNeverReleased(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		cut      func(w http.ResponseWriter, r *http.Request)
+		released bool // the retry runs again
+	}{
+		{"nothing answered", func(w http.ResponseWriter, r *http.Request) {}, true},
+		{"an informational answer only", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Link", "</style.css>; rel=preload")
+			w.WriteHeader(http.StatusEarlyHints)
+		}, true},
+		{"status and part of the body", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Length", "100")
+			w.WriteHeader(http.StatusCreated)
+			io.WriteString(w, `{"transfer":`)
+		}, false},
+		{"a body, its status implied", func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, `{"transfer":`)
+		}, false},
+		{"flushed", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Length", "100")
+			w.WriteHeader(http.StatusCreated)
+			io.WriteString(w, `{"transfer":`)
+			http.NewResponseController(w).Flush()
+		}, false},
+		{"hijacked", func(w http.ResponseWriter, r *http.Request) {
+			conn, buf, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				t.Errorf("hijack: %v", err)
+				return
+			}
+			defer conn.Close() // as the panic unwinds: net/http leaves a hijacked connection open
+			buf.WriteString("HTTP/1.1 201 Created\r\nContent-Length: 100\r\n\r\n{\"transfer\":")
+			buf.Flush()
+			panic(http.ErrAbortHandler)
+		}, false},
+		{"outcome said unknown", func(w http.ResponseWriter, r *http.Request) {
+			httpidem.OutcomeUnknown(r)
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eng := newEngine(t, memstore.New())
+			mw, err := httpidem.New(httpidem.Config{Engine: eng, TakeoverSafe: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := &app{}
+			a.handler = func(w http.ResponseWriter, r *http.Request) {
+				io.ReadAll(r.Body)
+				if a.runs.Load() > 1 {
+					w.WriteHeader(http.StatusCreated)
+					io.WriteString(w, `{"transfer":"second"}`)
+					return
+				}
+				tc.cut(w, r)
+				panic(http.ErrAbortHandler) // the connection breaks off
+			}
+			ended := make(chan struct{}, 2)
+			h := mw.Wrap(a)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				defer func() { ended <- struct{}{} }() // once the middleware has settled, as the panic goes on to net/http
+				h.ServeHTTP(w, r)
+			}))
+			t.Cleanup(srv.Close)
+			srv.Client().Timeout = time.Minute
+			req, _ := http.NewRequest("POST", srv.URL+"/transfers", strings.NewReader(`{"amount":100}`))
+			req.Header.Set("Idempotency-Key", "k")
+			if resp, err := srv.Client().Do(req); err == nil {
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			wait.Recv(t, ended, 10*time.Second, "the first request's handler to end")
+			r := send(t, srv, "POST", "/transfers", "k", `{"amount":100}`)
+			if tc.released {
+				if r.status != http.StatusCreated || a.runs.Load() != 2 {
+					t.Fatalf("retry: %d %q, handler ran %d times; want the retry run: nothing was answered", r.status, r.body, a.runs.Load())
+				}
+				return
+			}
+			if a.runs.Load() != 1 {
+				t.Fatalf("the handler ran %d times (the retry got %d %q); want once: it had begun its answer", a.runs.Load(), r.status, r.body)
+			}
+			wantProblem(t, r, http.StatusConflict, httpidem.ProblemUncertain)
+			if rec, err := eng.Get(context.Background(), "", "k"); err != nil || rec.State != idem.StateUnknown {
+				t.Fatalf("record %v, %v; want unknown", rec.State, err)
+			}
+		})
+	}
+}
+
 // downStore is a store that cannot be reached.
 type downStore struct{ idem.Store }
 

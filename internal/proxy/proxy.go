@@ -31,6 +31,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"mime"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -156,7 +157,9 @@ type Config struct {
 	// LogFormat is how log lines are written: text or json. Defaults to text.
 	LogFormat string `yaml:"log_format"`
 	// AccessLog logs a line for every request: method, path, status,
-	// duration, what idem did with it and its key hash.
+	// duration, what idem did with it and its key hash. A request whose
+	// answer was cut (the upstream's body broke off) gets its line too, a
+	// warning with cut=true and the status sent so far (0: none).
 	AccessLog bool `yaml:"access_log"`
 	// Engine is the engine's configuration (lease, retention, store
 	// timeout, journal directory…); its Store and Notifier are the proxy's
@@ -447,22 +450,41 @@ type accessKey struct{}
 // middleware.
 type accessEntry struct{ observed, keyHash string }
 
-// accessLog logs a line for every request once it is answered.
+// accessLog logs a line for every request once it is answered, or once
+// its answer is cut: the handler aborted (the reverse proxy panics with
+// http.ErrAbortHandler when the upstream's body breaks off), and the line
+// says "cut", with the status sent so far (0: none). The panic goes on
+// unrecovered, its stack whole, to net/http.
 func accessLog(next http.Handler, log *slog.Logger) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		e := &accessEntry{}
 		rec := &recorder{ResponseWriter: w}
+		cut := true
+		defer func() {
+			status := rec.status
+			if !cut {
+				status = cmp.Or(status, http.StatusOK)
+			}
+			attrs := []any{"method", r.Method, "path", r.URL.Path, "status", status,
+				"bytes", rec.bytes, "duration", time.Since(start), "remote", r.RemoteAddr}
+			if cut {
+				attrs = append(attrs, "cut", true)
+			}
+			if e.observed != "" {
+				attrs = append(attrs, "idem", e.observed)
+			}
+			if e.keyHash != "" {
+				attrs = append(attrs, "key_hash", e.keyHash)
+			}
+			if cut {
+				log.Warn("request", attrs...)
+			} else {
+				log.Info("request", attrs...)
+			}
+		}()
 		next.ServeHTTP(rec, r.WithContext(context.WithValue(r.Context(), accessKey{}, e)))
-		attrs := []any{"method", r.Method, "path", r.URL.Path, "status", cmp.Or(rec.status, http.StatusOK),
-			"bytes", rec.bytes, "duration", time.Since(start), "remote", r.RemoteAddr}
-		if e.observed != "" {
-			attrs = append(attrs, "idem", e.observed)
-		}
-		if e.keyHash != "" {
-			attrs = append(attrs, "key_hash", e.keyHash)
-		}
-		log.Info("request", attrs...)
+		cut = false
 	})
 }
 
@@ -558,8 +580,10 @@ func (b *stallingBody) Close() error {
 // response is kept whole (up to the size limit), then sent.
 type streamsOnly struct{ http.ResponseWriter }
 
+// FlushError flushes a stream, whatever the case of its media type (RFC
+// 9110, 8.3.1) or its parameters, as the reverse proxy itself tells one.
 func (w streamsOnly) FlushError() error {
-	if ct := w.Header().Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
+	if mt, _, _ := mime.ParseMediaType(w.Header().Get("Content-Type")); mt != "text/event-stream" {
 		return nil
 	}
 	return http.NewResponseController(w.ResponseWriter).Flush()
@@ -587,6 +611,9 @@ func upstream(target *url.URL, timeout time.Duration, log *slog.Logger) http.Han
 	return &httputil.ReverseProxy{
 		Transport:  transport,
 		BufferPool: buffers,
+		// Its own lines (an upstream's body cut off mid-copy) go through
+		// the proxy's logger, in its format, not the standard log package.
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
 			// What the load balancer in front said of the original request

@@ -679,3 +679,175 @@ func TestForwardedHeadersReachTheAPI(t *testing.T) {
 		t.Errorf("the API saw %q", r.body)
 	}
 }
+
+// cutMidBody is an upstream whose connection breaks mid-body: it sends its
+// 201 and part of its body (a Content-Length of 100), then aborts.
+func cutMidBody(w http.ResponseWriter, r *http.Request) {
+	io.ReadAll(r.Body)
+	w.Header().Set("Content-Length", "100")
+	w.WriteHeader(201)
+	io.WriteString(w, `{"id":`)
+	http.NewResponseController(w).Flush()
+	panic(http.ErrAbortHandler) // the connection breaks mid-body
+}
+
+// sendCut sends a keyed POST whose answer the upstream cuts, and returns
+// once the proxy has given up on it: the proxy closes the client's
+// connection only after its handler (the middleware, the access log) has
+// unwound.
+func sendCut(t *testing.T, url, key string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(`{"amount":100}`))
+	req.Header.Set("Idempotency-Key", key)
+	client := &http.Client{Transport: &http.Transport{}, Timeout: time.Minute}
+	defer client.CloseIdleConnections()
+	if resp, err := client.Do(req); err == nil {
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+}
+
+// TestCutAnswerOnTakeoverSafeRouteIsNeverReleased: on a route declared
+// takeover_safe, the upstream commits a transfer, sends its 201 and part of
+// the body, then the connection breaks. The upstream has acted (it
+// answered), so the retry must not run it again: 409 operation-uncertain
+// (as when no answer came at all), never a second run. (The reverse
+// proxy's abort was taken for a panic before any effect, which a
+// takeover-safe route releases: the retry transferred again.)
+func TestCutAnswerOnTakeoverSafeRouteIsNeverReleased(t *testing.T) {
+	eng := mustEngine(t, memstore.New())
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		if n > 1 {
+			io.ReadAll(r.Body)
+			w.WriteHeader(201)
+			io.WriteString(w, `{"transfer":"second"}`)
+			return
+		}
+		cutMidBody(w, r)
+	}}
+	srv := start(t, proxy.Config{Defaults: proxy.Route{Config: httpidem.Config{TakeoverSafe: true}}}, eng, up)
+	sendCut(t, srv.URL+"/v1/ledger/transfers", "k")
+	if rec, err := eng.Get(context.Background(), "", "k"); err != nil || rec.State != idem.StateUnknown {
+		t.Errorf("record after the cut answer: %v, %v; want unknown", rec.State, err)
+	}
+	r := post(t, srv, "/v1/ledger/transfers", "k", `{"amount":100}`)
+	if up.count("k") != 1 {
+		t.Fatalf("upstream ran the transfer %d times (retry got %d %q); want once: it had answered 201 before the cut", up.count("k"), r.status, r.typ)
+	}
+	if r.status != 409 || r.typ != httpidem.ProblemUncertain {
+		t.Fatalf("retry: %d %q; want 409 operation-uncertain", r.status, r.typ)
+	}
+}
+
+// TestAccessLogNamesACutAnswer: with access_log, "a line for every
+// request", the request whose upstream answer was cut mid-body included
+// (its record now UNKNOWN: the one an operator most needs to find), saying
+// the answer was cut. (The reverse proxy's abort went through the access
+// log, which logged only once the handler returned: no line.)
+func TestAccessLogNamesACutAnswer(t *testing.T) {
+	var logs syncBuffer
+	log := slog.New(slog.NewJSONHandler(&logs, nil))
+	up := httptest.NewServer(http.HandlerFunc(cutMidBody))
+	t.Cleanup(up.Close)
+	h, err := proxy.Handler(proxy.Config{Upstream: up.URL, AccessLog: true, Defaults: proxy.DefaultConfig().Defaults}, mustEngine(t, memstore.New()), log, proxy.Hooks{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	sendCut(t, srv.URL+"/pay", "k")
+	access := func() []map[string]any {
+		var lines []map[string]any
+		for _, l := range logs.lines() {
+			if l["msg"] == "request" {
+				lines = append(lines, l)
+			}
+		}
+		return lines
+	}
+	wait.Until(t, 10*time.Second, "the cut request's access log line", func() bool { return len(access()) > 0 })
+	lines := access()
+	if len(lines) != 1 {
+		t.Fatalf("access log lines for the one request: %d; want 1. Log:\n%s", len(lines), logs.String())
+	}
+	if a := lines[0]; a["path"] != "/pay" || a["idem"] != httpidem.ObservedExecuted || a["key_hash"] != idem.KeyHash("", "k") ||
+		a["cut"] != true || a["status"] != float64(0) {
+		t.Fatalf("access line %v; want /pay, executed, its key hash, cut, status 0 (none sent)", a)
+	}
+}
+
+// TestJSONLogHasEveryLine: with log_format json, the reverse proxy's own
+// line about a cut upstream answer is written through the proxy's logger,
+// as JSON. (ReverseProxy.ErrorLog was not set: it went to the standard log
+// package, as plain text, outside the proxy's log.)
+func TestJSONLogHasEveryLine(t *testing.T) {
+	var logs syncBuffer
+	up := httptest.NewServer(http.HandlerFunc(cutMidBody))
+	t.Cleanup(up.Close)
+	cfg := proxy.Config{Upstream: up.URL, LogFormat: "json", Defaults: proxy.DefaultConfig().Defaults}
+	log, err := cfg.Logger(&logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := proxy.Handler(cfg, mustEngine(t, memstore.New()), log, proxy.Hooks{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	sendCut(t, srv.URL+"/pay", "k")
+	// The reverse proxy logs the failed copy before it aborts, so before
+	// the client's connection closes; the wait only bounds a regression.
+	wait.Until(t, 5*time.Second, "the reverse proxy's line about the cut body, in the JSON log", func() bool {
+		for _, l := range logs.lines() {
+			if msg, _ := l["msg"].(string); strings.Contains(msg, "ReverseProxy read error during body copy") && l["level"] == "WARN" {
+				return true
+			}
+		}
+		return false
+	})
+	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		if !json.Valid([]byte(l)) {
+			t.Fatalf("a line of the JSON log is not JSON: %q", l)
+		}
+	}
+}
+
+// TestStreamIsPassedThroughWhateverTheCaseOfItsType: "a stream
+// (text/event-stream) goes through as it comes". A media type is
+// case-insensitive (RFC 9110, 8.3.1), and the reverse proxy itself takes
+// Text/Event-Stream for a stream; the proxy kept it whole instead, so the
+// client got no event until the stream ended.
+func TestStreamIsPassedThroughWhateverTheCaseOfItsType(t *testing.T) {
+	for _, ct := range []string{"Text/Event-Stream", "TEXT/EVENT-STREAM; charset=utf-8"} {
+		t.Run(ct, func(t *testing.T) {
+			release := make(chan struct{})
+			defer close(release)
+			up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+				w.Header().Set("Content-Type", ct)
+				w.WriteHeader(200)
+				io.WriteString(w, "data: 1\n\n")
+				http.NewResponseController(w).Flush()
+				<-release
+			}}
+			srv := start(t, proxy.Config{UpstreamTimeout: 10 * time.Second}, mustEngine(t, memstore.New()), up)
+			req, _ := http.NewRequest("POST", srv.URL+"/v1/subscribe", strings.NewReader("x"))
+			req.Header.Set("Idempotency-Key", "k")
+			got := make(chan string, 1)
+			go func() {
+				resp, err := srv.Client().Do(req)
+				if err != nil {
+					got <- err.Error()
+					return
+				}
+				defer resp.Body.Close()
+				b := make([]byte, len("data: 1\n\n"))
+				_, err = io.ReadFull(resp.Body, b)
+				got <- string(b) + fmt.Sprint(err)
+			}()
+			if g := wait.Recv(t, got, 5*time.Second, "the stream's first event, flushed by the upstream, to reach the client"); g != "data: 1\n\n<nil>" {
+				t.Fatalf("first event: %q", g)
+			}
+		})
+	}
+}
