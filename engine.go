@@ -72,8 +72,10 @@ type Config struct {
 	// synced to disk, until the engine stores them; an engine opened on the
 	// directory after a crash stores what it finds there. Several engines,
 	// in several processes, may share one directory, on one store or on
-	// several: an outcome whose store holds no record of it is left in the
-	// directory (for the engine of its store) until its retention ends.
+	// several: a write (an outcome, a Release, a MarkUnknown) whose store
+	// holds no record of it is left in the directory (for the engine of its
+	// store) until its retention ends, counted from the write (for a
+	// MarkUnknown, the retention its lease would give an outcome).
 	// Defaults to "": such
 	// outcomes wait in memory, and a crash of the process loses them (the
 	// record is then left to the reconciler).
@@ -478,7 +480,7 @@ func (e *Engine) acquire(ctx context.Context, p BeginParams, lease, retention ti
 	if errors.Is(err, ErrUnavailable) && sent {
 		// The acquire may have landed: release the record if it did.
 		e.journal.put(FinishParams{Scope: p.Scope, Key: p.Key, Token: token, Now: now, State: StateFailed,
-			Expires: now.Add(retention), Repeat: true}, p.Fingerprint, ap.LeaseExpires)
+			Expires: now.Add(retention), Repeat: true}, p.Fingerprint, ap.LeaseExpires, time.Time{})
 	}
 	if err != nil {
 		return Outcome{}, err
@@ -661,7 +663,11 @@ func (e *Engine) finish(ctx context.Context, l Lease, state State, resp *Respons
 	if errors.Is(err, ErrUnavailable) {
 		// In the journal before the lease counts as done: Close, which waits
 		// for the leases held, then finds the outcome there.
-		err := e.journal.put(p, l.Fingerprint, time.Time{})
+		var keep time.Time // how long another store's engine leaves it
+		if state == StateUnknown {
+			keep = e.expires(l, p.Now)
+		}
+		err := e.journal.put(p, l.Fingerprint, time.Time{}, keep)
 		e.owners.done(l)
 		if err != nil {
 			return err

@@ -62,11 +62,35 @@ type journalEntry struct {
 	// (its statement held up in the store), so a release that finds no
 	// record is sent again until then.
 	Until time.Time `json:"until,omitzero"`
-	name  string
+	// Keep is, for an UNKNOWN write (which sets no expiry), when an outcome
+	// settled at the same moment would have expired: the lease's
+	// retention from the write's Now. See bound.
+	Keep time.Time `json:"keep,omitzero"`
+	name string
 	// early is set when the store answered the release that it holds no
 	// such record (yet): the release is kept for a late acquire, and no
 	// longer counts as an outcome waiting for the store.
 	early bool
+}
+
+// bound is until when an engine whose store holds no record of the entry
+// leaves it in the directory, for the engine of its store (see
+// [journal.lost]): a release of a lost acquire, until that acquire's lease
+// would have ended; a COMPLETED or FAILED write, until the outcome's
+// expiry (its retention); an UNKNOWN write, until Keep, the retention its
+// lease gives an outcome, from the write. An UNKNOWN entry that an older
+// build wrote, without Keep, is kept for retention (the engine's default)
+// from the write.
+func (ent *journalEntry) bound(retention time.Duration) time.Time {
+	switch {
+	case ent.Params.State == StateFailed && !ent.Until.IsZero():
+		return ent.Until
+	case !ent.Keep.IsZero():
+		return ent.Keep
+	case !ent.Params.Expires.IsZero():
+		return ent.Params.Expires
+	}
+	return ent.Params.Now.Add(retention)
 }
 
 func openJournal(e *Engine, dir string) (*journal, error) {
@@ -160,10 +184,12 @@ func entryName(p FinishParams) string {
 
 // put keeps p until the store takes it, and starts sending it again. It
 // returns nil once p is kept (synced to disk when the journal has a dir).
-// until is, for a release, when the released acquire's lease ends (zero
-// otherwise).
-func (j *journal) put(p FinishParams, fp Fingerprint, until time.Time) error {
-	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, name: entryName(p)}
+// until is, for the release of an acquire whose answer was lost, when that
+// acquire's lease ends; keep is, for an UNKNOWN write, when an outcome
+// settled with it would expire (both zero otherwise; see
+// [journalEntry.bound]).
+func (j *journal) put(p FinishParams, fp Fingerprint, until, keep time.Time) error {
+	ent := &journalEntry{V: journalVersion, Params: p, Fingerprint: fp, Until: until, Keep: keep, name: entryName(p)}
 	j.mu.Lock()
 	closed := j.closed
 	j.mu.Unlock()
@@ -378,50 +404,85 @@ func (j *journal) land(ent *journalEntry) bool {
 	case err == nil:
 		log.Info("idem journal: stored an outcome that had waited for the store")
 		j.e.notify(context.Background(), p.Scope, p.Key)
-	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed && j.e.clock.Now().Before(ent.Until):
-		// A release of an acquire whose answer was lost, and no record under
-		// its token: the acquire has not landed, or the record has moved on.
-		// An acquire held up in the store can still land, and would hold the
-		// key for a request that never ran: the release is sent again until
-		// the acquire's lease would have ended.
-		j.mu.Lock()
-		ent.early = true
-		j.mu.Unlock()
-		return true
-	case errors.Is(err, ErrLeaseLost) && p.State == StateFailed:
-		// The same, past the acquire's lease: a record it left has been
-		// taken over or marked UNKNOWN by now, for the reconciler.
-	case errors.Is(err, ErrLeaseLost) && p.State == StateCompleted:
-		rec, gerr := j.e.Get(context.Background(), p.Scope, p.Key)
-		switch {
-		case errors.Is(gerr, ErrNotFound) && j.e.clock.Now().Before(p.Expires):
-			// The store holds no record of the key: the entry is another
-			// store's, in a directory shared by engines on several stores
-			// (it reached the directory from an engine whose store was
-			// away), or its record was deleted by hand. Dropping it would
-			// lose the outcome its client was given, if it is another
-			// store's: it stays in the directory, for the engine of its
-			// store, until its retention ends.
-			log.Warn("idem journal: this store holds no record of an outcome that waits in the journal (another store's?); it is left in the directory until its retention ends",
-				"file", ent.name, "until", p.Expires)
-			j.forget(ent)
-			return true
-		case errors.Is(gerr, ErrNotFound):
-			log.Warn("idem journal: this store holds no record of an outcome that waited in the journal, and its retention has ended: dropped")
-		case gerr != nil:
-			return false // the store could not tell: try later
-		case adopted(rec, Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
-			log.Info("idem journal: the record was settled meanwhile with the same outcome")
-		default:
-			log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
-		}
 	case errors.Is(err, ErrLeaseLost):
-		log.Error("idem journal: the record was settled by someone else before the outcome reached the store; theirs stands", "err", err)
+		switch j.lost(ent, log) {
+		case keepEntry:
+			return true
+		case retryLater:
+			return false
+		}
 	default:
 		log.Error("idem journal: the store refused an outcome; dropping it", "err", err)
 	}
 	j.remove(ent)
 	return true
+}
+
+// verdict is what becomes of an entry whose write the store refused.
+type verdict int
+
+const (
+	dropEntry  verdict = iota // remove the entry and its file
+	keepEntry                 // leave it (see lost)
+	retryLater                // the store could not tell: send it again later
+)
+
+// lost decides on an entry whose write the store refused with
+// [ErrLeaseLost]: it holds no record under the entry's token that the
+// write may settle. That is the one place where the journal asks whether
+// the record is in this store at all, for every state.
+//
+// A release of an acquire whose answer was lost (ent.Until set) is sent
+// again, kept in memory, until that acquire's lease would have ended: the
+// acquire may still land (its statement held up in the store), and would
+// hold the key for a request that never ran. After that it is dropped: most
+// such acquires never landed, and the release is no outcome anybody was
+// told.
+//
+// Any other entry is the write of an owner that held the record in its
+// store. When this store holds a record of the key, somebody else settled
+// or took it over before the write reached the store, and theirs stands.
+// When it holds none, the entry is another store's, in a directory shared
+// by engines on several stores (it reached the directory from an engine
+// whose store was away), or its record was deleted by hand: removing it
+// would lose an owner's outcome, the FAILED that lets its retry run, or the
+// UNKNOWN that holds the retries for the reconciler. This engine forgets
+// it, and leaves its file in the directory, for the engine of its store,
+// until the entry's bound ([journalEntry.bound]); after that it is dropped.
+func (j *journal) lost(ent *journalEntry, log *slog.Logger) verdict {
+	p := ent.Params
+	now := j.e.clock.Now()
+	if p.State == StateFailed && !ent.Until.IsZero() {
+		if now.Before(ent.Until) {
+			j.mu.Lock()
+			ent.early = true
+			j.mu.Unlock()
+			return keepEntry
+		}
+		log.Debug("idem journal: the release of an acquire whose answer was lost found no record of its own once that acquire's lease was over: dropped")
+		return dropEntry
+	}
+	bound := ent.bound(j.e.retention)
+	if !now.Before(bound) {
+		log.Warn("idem journal: the store holds no record that a write which waited in the journal may settle, and the write's bound has passed: dropped",
+			"until", bound)
+		return dropEntry
+	}
+	rec, err := j.e.Get(context.Background(), p.Scope, p.Key)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		log.Warn("idem journal: this store holds no record of a write that waits in the journal (another store's?); it is left in the directory until its bound",
+			"file", ent.name, "until", bound)
+		j.forget(ent)
+		return keepEntry
+	case err != nil:
+		return retryLater
+	case p.State == StateCompleted && adopted(rec, Lease{Scope: p.Scope, Key: p.Key, Token: p.Token, Fingerprint: ent.Fingerprint}, cloneResponse(p.Response)):
+		log.Info("idem journal: the record was settled meanwhile with the same outcome")
+	default:
+		log.Error("idem journal: the record was settled or taken over by someone else before the write reached the store; theirs stands", "err", ErrLeaseLost)
+	}
+	return dropEntry
 }
 
 func (j *journal) remove(ent *journalEntry) {

@@ -15,6 +15,7 @@ import (
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/sqlitestore"
 	"github.com/idemhq/idem/store/storetest"
 )
 
@@ -317,5 +318,180 @@ func TestJournalReadsVersionOne(t *testing.T) {
 	rec, err := st.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
 	if err != nil || rec.State != idem.StateCompleted || string(rec.Response.Body) != `{"id":"ch_1"}` || rec.Response.Header.Get("Content-Type") != "application/json" {
 		t.Fatalf("after the version-1 entry landed: %+v, %v", rec, err)
+	}
+}
+
+// leftForItsStore is the scenario of a shared journal directory in which
+// engines on two stores meet: engine a, on sa, settles a request with
+// settle while sa is away, so the write waits in the directory, and a's
+// process stops. Engine b, on sb, which holds no record of it, opens the
+// directory and closes. Then a's next run, on sa, opens it. It returns the
+// record sa then holds and the entries left in the directory after b ran.
+func leftForItsStore(t *testing.T, dir string, sa, sb idem.Store, settle func(*idem.Engine, idem.Lease) error) (idem.Record, int) {
+	t.Helper()
+	a, err := idem.New(idem.Config{Store: finishDownStore{sa}, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := a.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	if err := settle(a, out.Lease); err != nil {
+		t.Fatalf("settling with the store away: %v; want it kept in the journal", err)
+	}
+	stop, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	a.Close(stop) // a's process goes; its write stays in the directory
+	cancel()
+	if n := journalFiles(dir); n != 1 {
+		t.Fatalf("%d entries after a's close; want its write", n)
+	}
+
+	b, err := idem.New(idem.Config{Store: sb, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, cancel = context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := b.Close(stop); err != nil {
+		t.Fatalf("the other store's engine's close: %v; want nothing of its own left", err)
+	}
+	left := journalFiles(dir)
+
+	a2, err := idem.New(idem.Config{Store: sa, JournalDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a2.Close(stop); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := sa.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec, left
+}
+
+func journalFiles(dir string) int {
+	files, _ := filepath.Glob(filepath.Join(dir, "*.json"))
+	return len(files)
+}
+
+func release(e *idem.Engine, l idem.Lease) error     { return e.Release(ctx, l) }
+func markUnknown(e *idem.Engine, l idem.Lease) error { return e.MarkUnknown(ctx, l) }
+
+// TestJournalLeavesAnotherStoresRelease: the owner's Release waits in a
+// directory shared with an engine on another store. That engine sent it to
+// its own store, which holds no such record, and deleted the file: when
+// the owner's store came back nothing landed, and its record stayed
+// IN_PROGRESS, then UNKNOWN, though its owner said that nothing ran. The
+// release is left for the engine of its store, which lands it: the record
+// is FAILED and the retry runs.
+func TestJournalLeavesAnotherStoresRelease(t *testing.T) {
+	sa := memstore.New()
+	rec, left := leftForItsStore(t, t.TempDir(), sa, memstore.New(), release)
+	if left != 1 {
+		t.Errorf("%d entries after the other store's engine ran; want the release left for its store", left)
+	}
+	if rec.State != idem.StateFailed {
+		t.Fatalf("the owner's record is %s; want FAILED, the release its owner made", rec.State)
+	}
+}
+
+// TestJournalLeavesAnotherStoresReleaseSQLite: as
+// TestJournalLeavesAnotherStoresRelease, on two SQLite stores: two proxies
+// started in one directory, each with its own database, share the default
+// relative journal directory.
+func TestJournalLeavesAnotherStoresReleaseSQLite(t *testing.T) {
+	base := t.TempDir()
+	open := func(name string) *sqlitestore.Store {
+		s, err := sqlitestore.Open(ctx, sqlitestore.Config{Path: filepath.Join(base, name)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	sa, sb := open("a.db"), open("b.db")
+	rec, left := leftForItsStore(t, filepath.Join(base, "idem-journal"), sa, sb, release)
+	if left != 1 {
+		t.Errorf("%d entries after the other store's engine ran; want the release left for its store", left)
+	}
+	if rec.State != idem.StateFailed {
+		t.Fatalf("the owner's record is %s; want FAILED, the release its owner made", rec.State)
+	}
+	e, err := idem.New(idem.Config{Store: sa})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close(ctx)
+	retry, err := e.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload})
+	if err != nil || retry.Decision != idem.Execute {
+		t.Fatalf("the retry: %v %v; want Execute, since nothing ran", retry.Decision, err)
+	}
+	if err := e.Release(ctx, retry.Lease); err != nil { // Close waits for the leases held
+		t.Fatal(err)
+	}
+}
+
+// TestJournalLeavesAnotherStoresMarkUnknown: as
+// TestJournalLeavesAnotherStoresRelease, for a MarkUnknown: the record
+// becomes UNKNOWN, for the reconciler, when its store comes back. (The
+// other store's engine deleted the mark too.)
+func TestJournalLeavesAnotherStoresMarkUnknown(t *testing.T) {
+	sa := memstore.New()
+	rec, left := leftForItsStore(t, t.TempDir(), sa, memstore.New(), markUnknown)
+	if left != 1 {
+		t.Errorf("%d entries after the other store's engine ran; want the mark left for its store", left)
+	}
+	if rec.State != idem.StateUnknown {
+		t.Fatalf("the owner's record is %s; want UNKNOWN, as its owner marked it", rec.State)
+	}
+}
+
+// TestJournalDropsAnotherStoresWritesAfterTheirRetention: a release or an
+// UNKNOWN mark that an engine on another store leaves in the directory is
+// not kept for ever: an engine whose store holds no record of it leaves it
+// until the retention its lease gives an outcome has run out from the
+// write, and drops it after that.
+func TestJournalDropsAnotherStoresWritesAfterTheirRetention(t *testing.T) {
+	for name, settle := range map[string]func(*idem.Engine, idem.Lease) error{"release": release, "mark": markUnknown} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			a, err := idem.New(idem.Config{Store: finishDownStore{memstore.New()}, JournalDir: dir, StoreTimeout: 100 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, err := a.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: payload, Retention: time.Hour})
+			if err != nil || out.Decision != idem.Execute {
+				t.Fatal(out.Decision, err)
+			}
+			if err := settle(a, out.Lease); err != nil {
+				t.Fatal(err)
+			}
+			stop, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			a.Close(stop)
+			cancel()
+			stop, cancel = context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			clock, elapsed := storetest.NewClock(time.Now()), time.Duration(0)
+			for _, c := range []struct {
+				after time.Duration
+				left  int
+			}{{59 * time.Minute, 1}, {2 * time.Minute, 0}} {
+				clock.Advance(c.after)
+				elapsed += c.after
+				b, err := idem.New(idem.Config{Store: memstore.New(), JournalDir: dir, Clock: clock})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := b.Close(stop); err != nil {
+					t.Fatal(err)
+				}
+				if n := journalFiles(dir); n != c.left {
+					t.Fatalf("%d entries %v after the write (its lease's retention: an hour); want %d", n, elapsed, c.left)
+				}
+			}
+		})
 	}
 }

@@ -49,9 +49,13 @@ func (n *localNotifier) Notify(_ context.Context, scope, key string) error {
 // error with that outcome (InFlight when nothing newer is known).
 //
 // Callers in this process that wait for the same record and payload share
-// one wait: while the work runs in this process none of them asks the
-// store, and while it runs in another one asks at a time for them all, so
-// a thousand duplicates cost what one does.
+// one wait: while the work runs in another process one of them asks the
+// store at a time for them all; while it runs in this one none of them
+// polls (its owner wakes them when it settles or loses the record), but
+// one listens to the Notifier and asks the store when a settlement is
+// announced (and once when it starts listening), and they look at the
+// store when the owner's lease runs out unsettled. A thousand duplicates
+// cost what one does.
 func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration) (Outcome, error) {
 	deadline := e.clock.Now().Add(within)
 	// Most requests wait for nothing: decide once, and only a duplicate of
@@ -81,26 +85,40 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 	var remote <-chan struct{}
 	cancelRemote := func() {}
 	defer func() { cancelRemote() }()
-	subscribe := func() {
+	subscribe := func() (now bool) {
 		if remote == nil && e.notifier != nil {
 			remote, cancelRemote = e.notifier.Subscribe(p.Scope, p.Key)
+			return true
 		}
+		return false
 	}
+	heard := false // the Notifier announced a settlement since the last step
 	for {
-		out, err, ok := e.awaitStep(ctx, p, g, &polling, subscribe)
+		out, err, ok, here := e.awaitStep(ctx, p, g, &polling, subscribe, heard)
+		heard = false
 		if ok && (err != nil || out.Decision != InFlight) {
 			return out, err
 		}
-		left := deadline.Sub(e.clock.Now())
+		now := e.clock.Now()
+		left := deadline.Sub(now)
 		if left <= 0 {
 			if !ok { // the poller has not answered yet
 				out = Outcome{Decision: InFlight, RetryAfter: time.Second}
 			}
 			return out, nil
 		}
+		leaseEnd := max(out.Record.LeaseExpires.Sub(now), time.Millisecond)
 		pause := left // a member that does not poll waits for news
-		if polling {
-			pause = min(left, e.poll, max(out.Record.LeaseExpires.Sub(e.clock.Now()), time.Millisecond))
+		switch {
+		case here:
+			// A lease held in this process: its owner wakes the waiters
+			// when it settles or loses the record, but a lease that runs
+			// out unsettled (a stuck handler, failing renewals) is news
+			// nobody announces. Every member looks again then (without
+			// the store, until the lease is over: a renewal moves it).
+			pause = min(left, leaseEnd)
+		case polling:
+			pause = min(left, e.poll, leaseEnd)
 		}
 		select {
 		case <-ctx.Done():
@@ -110,6 +128,7 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 			return out, ctx.Err()
 		case <-local:
 		case <-remote:
+			heard = true
 		case <-e.clock.After(pause):
 		}
 	}
@@ -120,30 +139,52 @@ func (e *Engine) Await(ctx context.Context, p BeginParams, within time.Duration)
 func (e *Engine) Waiting(scope, key string) int { return e.local.waiters.Len(KeyHash(scope, key)) }
 
 // awaitStep decides once for a member of g: from what this process knows
-// (an outcome in the cache, work running here), or else from the store if
-// the member is, or becomes, the one that polls (subscribed first, so that
-// no completion falls between its lookup and its subscription), or else from
-// the poller's latest answer (ok is false while there is none).
-func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, polling *bool, subscribe func()) (out Outcome, err error, ok bool) {
-	if out, ok := e.known(p, true); ok {
-		return out, nil, true
+// (an outcome in the journal or the cache, the poller's final answer, work
+// running here), or else from the store if the member is, or becomes, the
+// one that polls (subscribed first, so that no completion falls between its
+// lookup and its subscription), or else from the poller's latest answer (ok
+// is false while there is none). here reports an InFlight answer from a
+// lease that a caller of this engine holds.
+//
+// While the work runs here, the poller does not poll: it asks the store
+// only when the Notifier announced a settlement (heard), or when it has
+// just subscribed (an announcement before that would be lost). Another
+// instance may settle the record under the running lease (an operator, a
+// reconciler), and the owner learns it only at its next write. Only a
+// decided answer from the store is taken then: an error or an InFlight is
+// no news while the owner here runs, and the members keep waiting for it.
+func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, polling *bool, subscribe func() bool, heard bool) (out Outcome, err error, ok, here bool) {
+	mine, runs := e.known(p, true)
+	if runs && mine.Decision != InFlight {
+		return mine, nil, true, false
 	}
 	if !*polling {
 		out, err, ok := e.waits.latest(g)
 		if ok && (err != nil || out.Decision != InFlight) {
-			return out, err, true // the poller's final answer
+			return out, err, true, false // the poller's final answer
 		}
 		if !e.waits.claim(g) {
-			return out, err, ok
+			if runs {
+				return mine, nil, true, true
+			}
+			return out, err, ok, false
 		}
+		*polling = true
 	}
-	*polling = true
-	subscribe()
+	if subscribe() {
+		heard = true
+	}
+	if runs && !heard {
+		return mine, nil, true, true
+	}
 	out, err = e.Begin(ctx, p)
 	if err != nil && ctx.Err() != nil {
 		// It gave up: its own answer, not the others'. One of them polls
 		// in its place once it has left.
-		return out, err, true
+		return out, err, true, false
+	}
+	if runs && (err != nil || out.Decision == InFlight) {
+		return mine, nil, true, true
 	}
 	if err != nil || out.Decision != Execute {
 		e.waits.publish(g, out, err)
@@ -151,7 +192,7 @@ func (e *Engine) awaitStep(ctx context.Context, p BeginParams, g *waitGroup, pol
 			e.local.Notify(ctx, p.Scope, p.Key) // news for the others
 		}
 	}
-	return out, err, true
+	return out, err, true, false
 }
 
 // notifyTimeout bounds a cross-instance notification.

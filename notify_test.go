@@ -8,9 +8,11 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/testkit"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
+	"github.com/idemhq/idem/store/storetest"
 )
 
 // sharedNotifier stands in for PostgreSQL LISTEN/NOTIFY between engines:
@@ -225,6 +227,157 @@ func TestLocalWaitersWakeWhenTheOwnerLosesItsLease(t *testing.T) {
 	for i := range waiters {
 		if out := wait.Recv(t, outs, 10*time.Second, fmt.Sprintf("waiter %d's answer (each waits up to an hour)", i)); out.Decision != idem.Replay {
 			t.Errorf("waiter %d: %v, want the replay the store holds", i, out.Decision)
+		}
+	}
+}
+
+// TestWaitersOnALocalOwnerWhoseLeaseRanOut: a request runs in engine x and
+// its lease runs out unsettled (its handler is stuck in a call that ignores
+// its context, and no renewal extends it). Duplicates wait in x. Engine y,
+// sharing the store, the Notifier and the clock, finds the lease over (the
+// record becomes UNKNOWN) and settles it COMPLETED. Await looks again when
+// the running lease ends: the duplicates learn the record's state (UNKNOWN,
+// or the replay) once the clock passes the lease's end, an hour before the
+// end of their wait. (They slept their whole wait, since nobody in x asked
+// the store while x's map said that x's own caller ran the work; then one
+// answered InFlight though the store held the outcome.)
+func TestWaitersOnALocalOwnerWhoseLeaseRanOut(t *testing.T) {
+	clock := storetest.NewClock(time.Now())
+	shared, n := memstore.New(), &sharedNotifier{}
+	x, err := idem.New(idem.Config{Store: shared, Notifier: n, Clock: clock, Poll: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := idem.New(idem.Config{Store: shared, Notifier: n, Clock: clock, Poll: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owner := charge
+	owner.Lease = time.Minute
+	first, err := x.Begin(ctx, owner)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	const waiters, within = 3, time.Hour
+	outs := make(chan idem.Outcome, waiters)
+	for range waiters {
+		go func() {
+			out, _ := x.Await(ctx, charge, within)
+			outs <- out
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait", func() bool { return x.Waiting(charge.Scope, charge.Key) == waiters })
+	if !clock.AwaitTimers(waiters, 10*time.Second) {
+		t.Fatal("the duplicates did not start their pauses")
+	}
+	clock.Advance(owner.Lease + time.Millisecond) // the owner's lease has run out
+	o, err := y.Begin(ctx, charge)
+	if err != nil || o.Decision != idem.Uncertain {
+		t.Fatalf("y after the lease: %v %v, want Uncertain", o.Decision, err)
+	}
+	rec, err := y.Get(ctx, charge.Scope, charge.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := y.Settle(ctx, rec.Lease(), idem.Settlement{State: idem.StateCompleted, Response: &idem.Response{Status: 201, Body: []byte("ch_1")}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range waiters {
+		// Real time: the engines' clock stands a minute past the start, an
+		// hour short of the end of the duplicates' wait.
+		out := wait.Recv(t, outs, 10*time.Second, fmt.Sprintf("waiter %d's answer after the owner's lease ran out", i))
+		if out.Decision != idem.Replay && out.Decision != idem.Uncertain {
+			t.Errorf("waiter %d: %v; want UNKNOWN or the replay the store holds", i, out.Decision)
+		}
+	}
+}
+
+// TestLocalWaitersHearASettlementThroughTheNotifier: a request runs in
+// engine x, its lease running, its handler stuck; 1,000 duplicates wait in
+// x. Another engine settles the record under x's lease (an operator's
+// resolve --force) and announces it through the Notifier. The duplicates
+// get the replay at once, and between them ask the store only a few times.
+// (Nobody in x listened to the Notifier while x's own caller held the
+// lease: they slept until the lease's end, or the end of their wait.)
+func TestLocalWaitersHearASettlementThroughTheNotifier(t *testing.T) {
+	shared, n := memstore.New(), &sharedNotifier{}
+	s := &testkit.Counted{Store: shared}
+	x, err := idem.New(idem.Config{Store: s, Notifier: n, Poll: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := idem.New(idem.Config{Store: shared, Notifier: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owner := charge
+	owner.Lease = time.Hour
+	first, err := x.Begin(ctx, owner)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	const waiters = 1000
+	outs := make(chan idem.Outcome, waiters)
+	for range waiters {
+		go func() {
+			out, _ := x.Await(ctx, charge, time.Hour)
+			outs <- out
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait, one of them listening to the Notifier", func() bool {
+		return x.Waiting(charge.Scope, charge.Key) == waiters && n.waiters.Len(idem.KeyHash(charge.Scope, charge.Key)) == 1
+	})
+	rec, err := y.Get(ctx, charge.Scope, charge.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := y.Settle(ctx, rec.Lease(), idem.Settlement{State: idem.StateCompleted, Response: &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range waiters {
+		if out := wait.Recv(t, outs, 10*time.Second, fmt.Sprintf("waiter %d's answer (each waits up to an hour)", i)); out.Decision != idem.Replay {
+			t.Fatalf("waiter %d: %v, want the replay the store holds", i, out.Decision)
+		}
+	}
+	if calls := s.Calls(); calls > 10 {
+		t.Fatalf("one request and 1,000 duplicates made %d store calls; want at most 10", calls)
+	}
+}
+
+// TestLocalWaitersWithANotifierOutlastTheStoreAway: duplicates wait in x,
+// which has a Notifier, for a request x runs, while the store is away. The
+// one that listens to the Notifier asks the store once, and is not
+// answered: that is no news while the owner here runs, and they all wait
+// for it. Its outcome, kept in the journal, is their replay.
+func TestLocalWaitersWithANotifierOutlastTheStoreAway(t *testing.T) {
+	s := &flakyStore{Store: memstore.New()}
+	n := &sharedNotifier{}
+	x, err := idem.New(idem.Config{Store: s, Notifier: n, StoreTimeout: 100 * time.Millisecond, Poll: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := x.Begin(ctx, charge)
+	if err != nil || first.Decision != idem.Execute {
+		t.Fatal(first.Decision, err)
+	}
+	s.down.Store(true)
+	const waiters = 5
+	outs := make(chan idem.Outcome, waiters)
+	for range waiters {
+		go func() {
+			out, _ := x.Await(ctx, charge, time.Minute)
+			outs <- out
+		}()
+	}
+	wait.Until(t, 10*time.Second, "the duplicates to wait, one of them listening, its lookup refused", func() bool {
+		return x.Waiting(charge.Scope, charge.Key) == waiters && n.waiters.Len(idem.KeyHash(charge.Scope, charge.Key)) == 1 && s.attempts.Load() > 1
+	})
+	if err := x.Complete(ctx, first.Lease, &idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}); err != nil {
+		t.Fatalf("Complete with the store away: %v, want it kept", err)
+	}
+	for i := range waiters {
+		if out := wait.Recv(t, outs, 10*time.Second, fmt.Sprintf("waiter %d's answer", i)); out.Decision != idem.Replay || string(out.Record.Response.Body) != `{"id":"ch_1"}` {
+			t.Fatalf("waiter %d: %v, want the replay of the kept outcome", i, out.Decision)
 		}
 	}
 }
