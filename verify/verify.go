@@ -6,6 +6,7 @@
 //
 //	replay                a retry gets the first answer, byte for byte, marked Idempotent-Replayed
 //	payload-mismatch      the same key with another payload gets 422 and, read with an effects page, moves no side effect
+//	                      (judged only when the other payload, alone under a fresh key, is not refused too)
 //	concurrent-duplicates N requests at once: one outcome (the others replay it or get 409, 429 or 503), replayed after
 //	missing-key           no key gets 400 (only with RequireKey)
 //	malformed-keys        an empty, over-long, non-ASCII or doubled key gets 400
@@ -21,6 +22,18 @@
 // the check reads them too: the duplicates must move them exactly as one
 // run does. The payload-mismatch check reads them as well: an endpoint
 // that runs the other payload before it answers 422 moves them, and fails.
+//
+// A 422 is the answer to a payload mismatch only if the endpoint takes the
+// other payload on its own: a validator that refuses it (a member it does
+// not know, say) answers 422 to it under any key. The first time a check
+// gets a 422 to the other payload, verify sends that payload once more,
+// alone under a fresh key (one request more, after any effects reading, so
+// the side effects the checks compare do not see it); when it is refused
+// there too, the check is not judged and fails, saying to give a changed
+// body the endpoint accepts.
+//
+// verify never follows a redirect: an endpoint that answers a POST with a
+// 303 and a Location is judged by that 303, which a retry must replay.
 //
 // A 4xx answer is an outcome, not a refusal, when the endpoint stores it: a
 // retry with the same key gets it back marked replayed (a declined card's
@@ -75,7 +88,7 @@ const DefaultTimeout = 30 * time.Second
 
 // Config says what to check and how to reach it.
 type Config struct {
-	// URL is the endpoint. Required.
+	// URL is the endpoint, an http:// or https:// URL. Required.
 	URL string
 	// Method defaults to POST.
 	Method string
@@ -87,12 +100,14 @@ type Config struct {
 	// that an endpoint that validates is likely to accept: when Body is a
 	// JSON object, its first number member (in name order) plus one, or
 	// else one more member ("idem_verify_changed": true); otherwise Body
-	// with "-changed" appended. Give your own to an endpoint that refuses it.
+	// with "-changed" appended. Give your own to an endpoint that refuses it:
+	// one that refuses it on its own (under a fresh key) leaves the
+	// payload-mismatch and scopes checks unjudged, and failed.
 	ChangedBody string
 	// Header is sent with every request (Content-Type, credentials…).
 	Header http.Header
 	// Concurrency is how many duplicates the concurrent check sends at
-	// once. Defaults to [DefaultConcurrency].
+	// once. Zero means [DefaultConcurrency]; negative is an error.
 	Concurrency int
 	// RequireKey checks that a request without a key is refused.
 	RequireKey bool
@@ -102,10 +117,16 @@ type Config struct {
 	ScopeHeader string
 	Credentials []string
 	// Client sends the requests. Defaults to http.Client's zero value.
+	// The endpoint's answers are judged as they come, so a redirect is
+	// never followed: verify sends them with a copy of Client whose
+	// CheckRedirect returns [http.ErrUseLastResponse] (Client itself is not
+	// changed, and its own CheckRedirect is not used for them). The
+	// effects page is read with Client as it is.
 	Client *http.Client
 	// Timeout bounds each request the checks send, with its retries for
 	// the checks that retry, whether or not Client has a Timeout of its
-	// own (which, when shorter, applies too). Defaults to [DefaultTimeout].
+	// own (which, when shorter, applies too). Zero means
+	// [DefaultTimeout]; negative is an error.
 	Timeout time.Duration
 	// EffectsURL, when set, is a page that shows the request's side effects
 	// (a count of charges, a balance, a ledger) as JSON: the concurrent
@@ -202,9 +223,12 @@ func (a answer) problemJSON() bool {
 type runner struct {
 	cfg      Config
 	url      string       // cfg.URL as printed: without its password
-	plain    *http.Client // sees every answer as it is
-	retrying *http.Client // idemclient: rides out 503s and 409 in-progress with the same key
-	mu       sync.Mutex
+	plain    *http.Client // sees every answer as it is, a redirect included
+	retrying *http.Client // idemclient: rides out 503s and 409 in-progress with the same key; follows no redirect
+	reader   *http.Client // reads the effects page: Config.Client as it is
+	// alone is what changedAlone found (nil until a check asks).
+	alone *string
+	mu    sync.Mutex
 	// stop is why the checks cannot go on after the first request.
 	stop     error
 	sent     int
@@ -225,15 +249,21 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if cfg.URL == "" {
 		return Report{}, errors.New("verify: no URL")
 	}
-	if _, err := url.Parse(cfg.URL); err != nil {
-		return Report{}, fmt.Errorf("verify: the URL is not valid: %v", redact.Err(err))
+	if err := checkURL("URL", cfg.URL); err != nil {
+		return Report{}, err
 	}
 	if cfg.EffectsURL != "" {
-		if _, err := url.Parse(cfg.EffectsURL); err != nil {
-			return Report{}, fmt.Errorf("verify: the effects URL is not valid: %v", redact.Err(err))
+		if err := checkURL("effects URL", cfg.EffectsURL); err != nil {
+			return Report{}, err
 		}
 	}
-	if cfg.Timeout <= 0 {
+	if cfg.Timeout < 0 {
+		return Report{}, fmt.Errorf("verify: the timeout is negative (%s); zero means the default, %s", cfg.Timeout, DefaultTimeout)
+	}
+	if cfg.Concurrency < 0 {
+		return Report{}, fmt.Errorf("verify: the concurrency is negative (%d); zero means the default, %d", cfg.Concurrency, DefaultConcurrency)
+	}
+	if cfg.Timeout == 0 {
 		cfg.Timeout = DefaultTimeout
 	}
 	cfg.Method = strings.ToUpper(cmpOr(cfg.Method, http.MethodPost))
@@ -247,7 +277,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if cfg.ChangedBody == cfg.Body {
 		return Report{}, errors.New("verify: the changed body is the same as the body")
 	}
-	if cfg.Concurrency <= 0 {
+	if cfg.Concurrency == 0 {
 		cfg.Concurrency = DefaultConcurrency
 	}
 	cfg.ScopeHeader = cmpOr(cfg.ScopeHeader, "Authorization")
@@ -257,16 +287,19 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if cfg.Header.Get("Content-Type") == "" && json.Valid([]byte(cfg.Body)) {
 		cfg.Header.Set("Content-Type", "application/json")
 	}
-	plain := cfg.Client
-	if plain == nil {
-		plain = &http.Client{} // each request is bounded by cfg.Timeout
+	reader := cfg.Client
+	if reader == nil {
+		reader = &http.Client{} // each request is bounded by cfg.Timeout
 	}
+	plain := *reader // a copy: the caller's client is left as it is
+	plain.CheckRedirect = stopAtRedirect
 	base := plain.Transport
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	r := &runner{cfg: cfg, url: redact.URL(cfg.URL), plain: plain, outcomes: map[string]bool{},
-		retrying: &http.Client{Timeout: plain.Timeout, Transport: idemclient.New(idemclient.Config{Base: base, MaxElapsed: 20 * time.Second})}}
+	r := &runner{cfg: cfg, url: redact.URL(cfg.URL), plain: &plain, reader: reader, outcomes: map[string]bool{},
+		retrying: &http.Client{Timeout: plain.Timeout, CheckRedirect: stopAtRedirect,
+			Transport: idemclient.New(idemclient.Config{Base: base, MaxElapsed: 20 * time.Second})}}
 	rep := Report{URL: r.url}
 	for _, check := range []func(context.Context) Check{r.replay, r.mismatch, r.concurrent, r.missingKey, r.malformed, r.scopes} {
 		rep.Checks = append(rep.Checks, check(ctx))
@@ -309,6 +342,31 @@ func (r *runner) problemJSON() Check {
 		}
 	}
 	return c
+}
+
+// stopAtRedirect makes a client return a redirect as the answer: the
+// endpoint's answer is what the checks judge, not the page it points to.
+func stopAtRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+
+// checkURL refuses a URL the checks could not send to: one that does not
+// parse, has no host, or is not http or https. A URL without a scheme
+// ("localhost:8080/v1/charges", which parses with "localhost" as its
+// scheme) is the common slip: the error says what was likely meant. The
+// errors show the URL without its secrets.
+func checkURL(what, raw string) error {
+	u, err := url.Parse(raw)
+	if !strings.Contains(raw, "://") && (err != nil || u.Scheme == "" || u.Opaque != "") {
+		return fmt.Errorf("verify: the %s has no scheme: did you mean %s?", what, redact.URL("http://"+raw))
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("verify: the %s is not valid: %v", what, redact.Err(err))
+	case u.Scheme != "http" && u.Scheme != "https":
+		return fmt.Errorf("verify: the %s's scheme is %s: verify sends HTTP requests, to an http:// or https:// URL", what, u.Scheme)
+	case u.Host == "":
+		return fmt.Errorf("verify: the %s names no host: %s", what, redact.URL(raw))
+	}
+	return nil
 }
 
 func cmpOr(v, def string) string {
@@ -509,13 +567,21 @@ func (r *runner) mismatch(ctx context.Context) Check {
 		c.Result, c.Detail = Fail, fmt.Sprintf("the same key with another payload got %s; want 422", other)
 		return c
 	}
-	c.Result, c.Detail = Pass, "the same key with another payload got 422"
-	if r.cfg.EffectsURL == "" {
+	var after effects
+	if r.cfg.EffectsURL != "" {
+		var err error
+		if after, err = r.effects(ctx); err != nil {
+			c.Result, c.Detail = Fail, "the effects URL, after the other payload: "+err.Error()
+			return c
+		}
+	}
+	// Read after the effects page: the other payload alone may run.
+	if why := r.changedAlone(ctx); why != "" {
+		c.Result, c.Detail = Fail, "not judged: the same key with another payload got 422, but "+why
 		return c
 	}
-	after, err := r.effects(ctx)
-	if err != nil {
-		c.Result, c.Detail = Fail, "the effects URL, after the other payload: "+err.Error()
+	c.Result, c.Detail = Pass, "the same key with another payload got 422"
+	if r.cfg.EffectsURL == "" {
 		return c
 	}
 	if moved := movedBetween(before, after); len(moved) > 0 {
@@ -524,6 +590,29 @@ func (r *runner) mismatch(ctx context.Context) Check {
 		c.Detail += "; the side effects did not move"
 	}
 	return c
+}
+
+// changedAlone sends the changed body alone under a fresh key, the first
+// time a check asks, and says why a 422 to it under a used key cannot be
+// read as the answer to a payload mismatch ("" when it can): the endpoint
+// refuses that body on its own (a 4xx it does not replay: its validator's
+// answer, under any key), or the request failed. A 4xx the endpoint stores
+// and replays is an outcome: the body was taken.
+func (r *runner) changedAlone(ctx context.Context) string {
+	if r.alone == nil {
+		key := newKey()
+		send := func() answer { return r.send(ctx, r.retrying, r.cfg.ChangedBody, []string{key}, nil) }
+		a := send()
+		why := ""
+		switch {
+		case a.err != nil || a.status >= 500:
+			why = fmt.Sprintf("the changed body alone, under a fresh key, failed (%s), so that 422 cannot be told from a refusal of the body itself; run again, or give a changed body the endpoint accepts (--changed-body)", a)
+		case !r.stored(a, send):
+			why = fmt.Sprintf("the endpoint refuses the changed body on its own, under a fresh key too (%s), so that 422 may be this refusal; give a changed body it accepts (--changed-body)", a)
+		}
+		r.alone = &why
+	}
+	return *r.alone
 }
 
 // notOutcome reports whether a duplicate's answer says it did not run: it
@@ -648,7 +737,7 @@ const lengthOf = "\x00length"
 func (r *runner) effects(ctx context.Context) (effects, error) {
 	h := r.cfg.Header.Clone()
 	h.Del("Content-Type")
-	a := r.do(ctx, r.plain, http.MethodGet, r.cfg.EffectsURL, "", h)
+	a := r.do(ctx, r.reader, http.MethodGet, r.cfg.EffectsURL, "", h)
 	switch {
 	case a.err != nil:
 		return nil, fmt.Errorf("it could not be read: %v", a.err)
@@ -818,7 +907,11 @@ func (r *runner) scopes(ctx context.Context) Check {
 	case b.err != nil:
 		c.Result, c.Detail = Fail, "the second credential's request failed: "+b.err.Error()
 	case b.status == http.StatusUnprocessableEntity:
-		c.Result, c.Detail = Fail, "the same key from another credential collided with the first (422): keys are not scoped per caller"
+		if why := r.changedAlone(ctx); why != "" {
+			c.Result, c.Detail = Fail, "not judged: the same key from another credential, with the changed body, got 422, but "+why
+		} else {
+			c.Result, c.Detail = Fail, "the same key from another credential collided with the first (422): keys are not scoped per caller"
+		}
 	case b.replayed():
 		c.Result, c.Detail = Fail, "the second credential was replayed the first one's answer: keys are not scoped per caller"
 	case b.status >= 400 && b.status < 500 && !r.stored(b, as(1, r.cfg.ChangedBody)):

@@ -182,6 +182,65 @@ func TestCatchesIgnoredPayload(t *testing.T) {
 	}
 }
 
+// TestMismatchIsNotPassedByAValidationRefusal: an endpoint that replays
+// whatever the payload (keyed{ignorePayload}) behind a validator that
+// answers 422 to a member it does not know (FastAPI with extra=forbid,
+// Rails) is certified "payload-mismatch: pass": the default changed body
+// adds "idem_verify_changed" to a body without a number, the validator
+// answers 422, and verify takes that 422 for the mismatch answer. A real
+// second payload under the key ({"customer":"cus_2"}) is replayed the
+// first one's charge.
+func TestMismatchIsNotPassedByAValidationRefusal(t *testing.T) {
+	var n atomic.Int64
+	idem := &keyed{ignorePayload: true, done: map[string][2]string{}, next: charge(&n)}
+	strict := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		var req struct{ Customer string }
+		dec := json.NewDecoder(strings.NewReader(string(body)))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&req); err != nil {
+			(&httpidem.Problem{Type: "about:blank", Title: "Validation failed", Status: 422, Detail: err.Error()}).Write(w)
+			return
+		}
+		r.Body = io.NopCloser(strings.NewReader(string(body)))
+		idem.ServeHTTP(w, r)
+	})
+	srv := httptest.NewServer(strict)
+	defer srv.Close()
+	// The flaw, shown directly: another valid payload under a used key is
+	// replayed the first one's answer.
+	send := func(key, body string) (int, string) {
+		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader(body))
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	send("k1", `{"customer":"cus_1"}`)
+	if st, b := send("k1", `{"customer":"cus_2"}`); st != 201 || !strings.Contains(b, "cus_1") {
+		t.Fatalf("setup: the endpoint should replay cus_1's charge to cus_2: %d %s", st, b)
+	}
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"customer":"cus_1"}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["payload-mismatch"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "not judged: ") || !strings.Contains(c.Detail, "refuses the changed body on its own") {
+		t.Fatalf("payload-mismatch: %+v; want no pass for an endpoint that replays another payload (its 422 was the validator's, for the changed body itself), but a failure saying it was not judged", c)
+	}
+	// With a changed body the validator takes, the flaw is found.
+	rep, err = verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"customer":"cus_1"}`, ChangedBody: `{"customer":"cus_2"}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["payload-mismatch"]; c.Result != verify.Fail || !strings.Contains(c.Detail, "want 422") {
+		t.Fatalf("payload-mismatch with --changed-body: %+v; want a failure: another payload was replayed the first one's answer", c)
+	}
+}
+
 // TestMismatchWatchesTheEffects: with an effects URL, the payload-mismatch
 // check reads the side effects around the other payload. A layer that
 // charges the other payload before it answers 422 fails it, naming what
@@ -242,9 +301,89 @@ func TestCatchesGlobalKeys(t *testing.T) {
 	}
 }
 
+// TestScopesIsNotFailedByAValidationRefusal: the idem middleware, keys
+// scoped per caller, behind the same validator: the scopes check sends the
+// changed body (a member the validator does not know) under the second
+// credential, gets the validator's 422 and reports "keys are not scoped
+// per caller", which is false (the same key under bob with a body the
+// validator takes runs as bob's own request).
+func TestScopesIsNotFailedByAValidationRefusal(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, Scope: httpidem.HashScope("Authorization")})
+	var n atomic.Int64
+	inner := mw.Wrap(charge(&n))
+	strict := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		var req struct{ Customer string }
+		dec := json.NewDecoder(strings.NewReader(string(body)))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&req); err != nil {
+			(&httpidem.Problem{Type: "about:blank", Title: "Validation failed", Status: 422, Detail: err.Error()}).Write(w)
+			return
+		}
+		r.Body = io.NopCloser(strings.NewReader(string(body)))
+		inner.ServeHTTP(w, r)
+	})
+	srv := httptest.NewServer(strict)
+	defer srv.Close()
+	rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"customer":"cus_1"}`,
+		Credentials: []string{"Bearer alice", "Bearer bob"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := results(rep)["scopes"]; strings.Contains(c.Detail, "not scoped") || !strings.Contains(c.Detail, "refuses the changed body on its own") {
+		t.Fatalf("scopes: %+v; the keys are scoped per caller: the 422 was the validator's, for the changed body itself, and the check should say so", c)
+	}
+	// With a changed body the validator takes, every check passes.
+	rep, err = verify.Run(context.Background(), verify.Config{URL: srv.URL, Body: `{"customer":"cus_1"}`, ChangedBody: `{"customer":"cus_2"}`,
+		Credentials: []string{"Bearer alice", "Bearer bob"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range rep.Checks {
+		if c.Result == verify.Fail {
+			t.Errorf("with --changed-body: %s: %s: %s", c.Name, c.Result, c.Detail)
+		}
+	}
+}
+
 func TestRunNeedsAURL(t *testing.T) {
 	if _, err := verify.Run(context.Background(), verify.Config{}); err == nil {
 		t.Fatal("no error without a URL")
+	}
+}
+
+// TestRunRefusesWhatItCannotSend: a URL without a scheme
+// ("localhost:8080/v1/charges", a common slip), or of another scheme than
+// http and https, and a negative timeout or concurrency are errors, before
+// any request. (The URLs were sent, retried five times and reported "the
+// endpoint cannot be reached"; the negative numbers became the defaults.)
+func TestRunRefusesWhatItCannotSend(t *testing.T) {
+	var hits atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { hits.Add(1) }))
+	defer srv.Close()
+	for _, tc := range []struct {
+		cfg  verify.Config
+		want string
+	}{
+		{verify.Config{URL: "localhost:8080/v1/charges"}, "the URL has no scheme: did you mean http://localhost:8080/v1/charges?"},
+		{verify.Config{URL: "127.0.0.1:8080/v1/charges"}, "the URL has no scheme: did you mean http://127.0.0.1:8080/v1/charges?"},
+		{verify.Config{URL: "api.example.com/v1/charges"}, "the URL has no scheme: did you mean http://api.example.com/v1/charges?"},
+		{verify.Config{URL: "alice:s3cr3t-pw@localhost:8080/v1/charges"}, "did you mean http://alice:xxxxx@localhost:8080/v1/charges?"},
+		{verify.Config{URL: "ftp://127.0.0.1:8080/v1/charges"}, "the URL's scheme is ftp"},
+		{verify.Config{URL: "http:///v1/charges"}, "the URL names no host"},
+		{verify.Config{URL: srv.URL, EffectsURL: "localhost:8080/effects"}, "the effects URL has no scheme: did you mean http://localhost:8080/effects?"},
+		{verify.Config{URL: srv.URL, EffectsURL: "file:///tmp/effects.json"}, "the effects URL's scheme is file"},
+		{verify.Config{URL: srv.URL, Timeout: -time.Second}, "the timeout is negative (-1s)"},
+		{verify.Config{URL: srv.URL, Concurrency: -1}, "the concurrency is negative (-1)"},
+	} {
+		rep, err := verify.Run(context.Background(), tc.cfg)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || len(rep.Checks) != 0 || strings.Contains(err.Error(), "s3cr3t") {
+			t.Errorf("Run(%+v) = %+v, %v; want no report and an error saying %q", tc.cfg, rep, err, tc.want)
+		}
+	}
+	if hits.Load() != 0 {
+		t.Errorf("%d requests were sent for configurations Run refuses", hits.Load())
 	}
 }
 
@@ -269,6 +408,46 @@ func TestPassesAgainstAStrictEndpoint(t *testing.T) {
 		if c.Result != verify.Pass {
 			t.Errorf("%s: %s: %s", c.Name, c.Result, c.Detail)
 		}
+	}
+}
+
+// TestRedirectIsNotFollowed: the idem middleware in front of a handler that
+// answers a POST with 303 See Other (the resource's URL) honours the
+// contract: the retry gets the 303 back, marked replayed. verify's clients
+// followed the redirect and judged the GET of the resource instead, which
+// is not replayed: a correct endpoint failed. With a client of the
+// caller's own, the same, and the caller's client is left as it was.
+func TestRedirectIsNotFollowed(t *testing.T) {
+	eng, _ := idem.New(idem.Config{Store: memstore.New()})
+	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true, Scope: httpidem.HashScope("Authorization")})
+	var n atomic.Int64
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/charges", mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		w.Header().Set("Location", fmt.Sprintf("/v1/charges/ch_%d", n.Add(1)))
+		w.WriteHeader(http.StatusSeeOther)
+	})))
+	mux.HandleFunc("GET /v1/charges/{id}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":%q}`, r.PathValue("id"))
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	own := &http.Client{Timeout: 10 * time.Second}
+	for name, client := range map[string]*http.Client{"default client": nil, "own client": own} {
+		rep, err := verify.Run(context.Background(), verify.Config{URL: srv.URL + "/v1/charges", Body: `{"amount":100}`, RequireKey: true,
+			Credentials: []string{"Bearer alice", "Bearer bob"}, Client: client})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range rep.Checks {
+			if c.Result == verify.Fail {
+				t.Errorf("%s: %s: %s: %s", name, c.Name, c.Result, c.Detail)
+			}
+		}
+	}
+	if own.CheckRedirect != nil || own.Timeout != 10*time.Second {
+		t.Errorf("Run changed the caller's client: %+v", own)
 	}
 }
 
@@ -471,7 +650,7 @@ func TestConcurrentCountsAReleasedAnswerAsNoOutcome(t *testing.T) {
 	mw, _ := httpidem.New(httpidem.Config{Engine: eng, RequireKey: true})
 	var n, calls atomic.Int64
 	srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if calls.Add(1) == 3 { // the concurrent check's first execution (replay: 1, payload-mismatch: 2)
+		if calls.Add(1) == 4 { // the concurrent check's first execution (replay: 1, payload-mismatch: 2, its changed body alone: 3)
 			httpidem.NothingHappened(r)
 			problem(w, 503, "acquirer-unavailable")
 			return
@@ -494,7 +673,7 @@ func TestConcurrentCountsAReleasedAnswerAsNoOutcome(t *testing.T) {
 	if c := results(rep)["concurrent-duplicates"]; c.Result != verify.Pass {
 		t.Fatalf("concurrent-duplicates: %+v; want a pass", c)
 	}
-	if calls.Load() < 3 {
+	if calls.Load() < 4 {
 		t.Fatalf("the handler ran %d times; the 503 was never sent", calls.Load())
 	}
 }

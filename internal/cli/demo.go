@@ -43,6 +43,14 @@ func runDemo(ctx context.Context, args []string, env Env, stdout, stderr io.Writ
 		usageError(stderr, fs.Name(), err.Error())
 		return 2
 	}
+	if err := checkGrace(*grace); err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
+	}
+	if *every <= 0 {
+		usageError(stderr, fs.Name(), fmt.Sprintf("--reconcile-every %s: want a positive duration, such as 2s", *every))
+		return 2
+	}
 	if strings.TrimSpace(*journal) == "" {
 		usageError(stderr, fs.Name(), "--journal-dir: "+emptyError("journal_dir").Error())
 		return 2

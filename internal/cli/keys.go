@@ -288,7 +288,7 @@ func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string,
 	scope := fs.String("scope", "", scopeUsage)
 	failed := fs.Bool("failed", false, "nothing happened; release the key")
 	completed := fs.Bool("completed", false, "it happened; store this outcome for replay")
-	status := fs.Int("status", 0, "with --completed: the HTTP `status` to replay")
+	status := fs.Int("status", 0, "with --completed: the HTTP `status` to replay, a final one (200 to 999)")
 	body := fs.String("body", "", "with --completed: the `body` to replay")
 	bodyFile := fs.String("body-file", "", "with --completed: a `file` holding the body to replay")
 	force := fs.Bool("force", false, "even a record whose owner may still store its outcome (its lease running, or quiet for less than a minute)")
@@ -304,8 +304,10 @@ func keysResolve(fs *flag.FlagSet) func(context.Context, *idem.Engine, []string,
 		}
 		res := reconcile.Resolution{Outcome: reconcile.Failed}
 		if *completed {
-			if *status < 100 || *status > 999 {
-				return fmt.Errorf("%w: --completed needs --status, an HTTP status", errUsage)
+			// The store judges the status (a final one, 200 to 999): its
+			// refusal, an invalid input, ends the command with exit 2.
+			if !flagSet(fs, "status") {
+				return fmt.Errorf("%w: --completed needs --status, the HTTP status to replay (200 to 999)", errUsage)
 			}
 			b := []byte(*body)
 			if *bodyFile != "" {
@@ -429,6 +431,10 @@ func runReconcile(ctx context.Context, args []string, env Env, stdout, stderr io
 		usageError(stderr, fs.Name(), fmt.Sprintf("--interval %s: want a positive duration, such as 30s", *every))
 		return 2
 	}
+	if err := checkGrace(*grace); err != nil {
+		usageError(stderr, fs.Name(), err.Error())
+		return 2
+	}
 	log, err := newLog()
 	if err != nil {
 		usageError(stderr, fs.Name(), err.Error())
@@ -519,8 +525,26 @@ func (p *progress) done() {
 	}
 }
 
+// checkGrace refuses a negative --grace: reconcile.Config would take it as
+// none at all, and settle a record whose owner may still store its true
+// outcome (the retry that follows would run again).
+func checkGrace(d time.Duration) error {
+	if d < 0 {
+		return fmt.Errorf("--grace %s: want 0s (no grace) or a positive duration, such as 1m", d)
+	}
+	return nil
+}
+
+// flagSet reports whether name was given on the command line.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
 // graceOf is a --grace flag as reconcile.Config takes it: 0 means none
-// (reconcile's zero means its default).
+// (reconcile's zero means its default). checkGrace has refused a negative
+// one.
 func graceOf(d time.Duration) time.Duration {
 	if d == 0 {
 		return -1

@@ -324,6 +324,28 @@ func TestHeaderFlagErrorShowsNoValue(t *testing.T) {
 	}
 }
 
+// TestVerifyURLWithoutSchemeIsAUsageError: "localhost:8080/v1/charges"
+// (the scheme left out, a common slip) is a wrong command line, exit 2,
+// as "127.0.0.1:8080/v1/charges" already is, and the message says what was
+// likely meant. It was sent, retried five times, and reported as "the
+// endpoint cannot be reached ... Is the API running?", exit 1.
+func TestVerifyURLWithoutSchemeIsAUsageError(t *testing.T) {
+	for url, want := range map[string]string{
+		"localhost:8080/v1/charges":       "the URL has no scheme: did you mean http://localhost:8080/v1/charges?",
+		"127.0.0.1:8080/v1/charges":       "the URL has no scheme: did you mean http://127.0.0.1:8080/v1/charges?",
+		"ftp://127.0.0.1:8080/v1/charges": "the URL's scheme is ftp",
+	} {
+		code, out, errOut := run(t, "verify", "--url", url)
+		if code != 2 || !strings.Contains(errOut, want) || strings.Contains(errOut, "cannot be reached") {
+			t.Errorf("verify --url %s: exit %d, want 2 (a wrong command line) saying %q\n%s%s", url, code, want, out, errOut)
+		}
+	}
+	code, out, errOut := run(t, "verify", "--url", "http://127.0.0.1:1/v1/charges", "--effects-url", "localhost:8080/effects")
+	if want := "the effects URL has no scheme: did you mean http://localhost:8080/effects?"; code != 2 || !strings.Contains(errOut, want) {
+		t.Errorf("verify --effects-url localhost:8080/effects: exit %d, want 2 saying %q\n%s%s", code, want, out, errOut)
+	}
+}
+
 // TestReconcileRefusesANonPositiveInterval: --interval 0s used to run a
 // pass every 30 s (the reconciler's default) without a word.
 func TestReconcileRefusesANonPositiveInterval(t *testing.T) {
@@ -337,5 +359,90 @@ func TestReconcileRefusesANonPositiveInterval(t *testing.T) {
 		if want := "--interval " + every + ": want a positive duration"; code != 2 || out.Len() > 0 || !strings.Contains(errOut.String(), want) {
 			t.Errorf("reconcile --interval %s: exit %d, stdout %q, stderr %q; want exit 2 and %q", every, code, out.String(), errOut.String(), want)
 		}
+	}
+}
+
+// TestNegativeDurationsAreRefusedByTheTools: a negative duration is a
+// wrong command line (idem proxy refuses one), not a silent default:
+// reconcile --grace -1m settled at once a record whose lease ended a
+// second ago (no grace at all); verify --timeout -1s waited 30 s a request,
+// and --concurrency -1 sent 10 duplicates. So are a zero verify timeout
+// or concurrency, and a zero demo reconcile interval, which also became
+// defaults without a word.
+func TestNegativeDurationsAreRefusedByTheTools(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "idem.db")
+	s, err := sqlitestore.Open(context.Background(), sqlitestore.Config{Path: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	recent, _ := idem.New(idem.Config{Store: s, Clock: storetest.NewClock(time.Now().Add(-31 * time.Second))})
+	if _, err := recent.Begin(context.Background(), idem.BeginParams{Scope: "tenant", Key: "just-expired", Fingerprint: fp}); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	resolver := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte(`{"outcome":"failed"}`))
+	}))
+	defer resolver.Close()
+	code, out, errOut := run(t, "reconcile", "--once", "--grace", "-1m", "--store", "sqlite:"+path, "--resolver-url", resolver.URL)
+	if code != 2 {
+		t.Errorf("reconcile --grace -1m: exit %d, want 2\n%s%s", code, out, errOut)
+	}
+	if strings.Contains(out, "failed 1") {
+		t.Errorf("reconcile --grace -1m settled a record whose lease ended a second ago: %s", out)
+	}
+	if want := "--grace -1m0s: want 0s (no grace) or a positive duration"; !strings.Contains(errOut, want) {
+		t.Errorf("reconcile --grace -1m: stderr %q; want it to say %q", errOut, want)
+	}
+	for _, tc := range []struct{ flag, value, want string }{
+		{"--timeout", "-1s", "--timeout -1s: want a positive duration"},
+		{"--timeout", "0s", "--timeout 0s: want a positive duration"},
+		{"--concurrency", "-1", "--concurrency -1: want a positive number"},
+		{"--concurrency", "0", "--concurrency 0: want a positive number"},
+	} {
+		code, out, errOut = run(t, "verify", "--url", "http://127.0.0.1:1/v1/charges", tc.flag, tc.value)
+		if code != 2 || out != "" || !strings.Contains(errOut, tc.want) {
+			t.Errorf("verify %s %s: exit %d, want 2 saying %q\n%s%s", tc.flag, tc.value, code, tc.want, out, errOut)
+		}
+	}
+	dir := t.TempDir()
+	for _, tc := range []struct{ flag, value, want string }{
+		{"--grace", "-1s", "--grace -1s: want 0s (no grace) or a positive duration"},
+		{"--reconcile-every", "0s", "--reconcile-every 0s: want a positive duration"},
+	} {
+		// Bounded, on ports and files of its own: a demo that took the
+		// flag would serve until ctx ends.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		var out, errOut strings.Builder
+		code := cli.Main(ctx, []string{"demo", tc.flag, tc.value, "--store", "sqlite:" + filepath.Join(dir, "demo.db"),
+			"--listen", "127.0.0.1:0", "--acquirer-listen", "127.0.0.1:0", "--admin-listen", "",
+			"--audit-log", filepath.Join(dir, "audit.log"), "--journal-dir", filepath.Join(dir, "journal")}, noEnv, &out, &errOut)
+		cancel()
+		if code != 2 || !strings.Contains(errOut.String(), tc.want) {
+			t.Errorf("demo %s %s: exit %d, want 2 saying %q\n%s%s", tc.flag, tc.value, code, tc.want, out.String(), errOut.String())
+		}
+	}
+}
+
+// TestKeysResolveRefusesAnInterimStatus: a completed outcome replays a
+// final status; the store refuses a 1xx (a replay would be an empty 200)
+// and its words reach the operator, with exit 2 (the command line was
+// wrong). keys resolve took any status from 100.
+func TestKeysResolveRefusesAnInterimStatus(t *testing.T) {
+	dsn, engine := seed(t)
+	for _, status := range []string{"102", "199", "1000"} {
+		code, _, errOut := run(t, "keys", "resolve", "unknown", "--scope", "tenant", "--store", dsn, "--completed", "--status", status)
+		if want := "response status " + status + " is not a final HTTP status (200 to 999"; code != 2 || !strings.Contains(errOut, want) {
+			t.Errorf("keys resolve --completed --status %s: exit %d %q; want 2 saying %q", status, code, errOut, want)
+		}
+	}
+	if code, _, errOut := run(t, "keys", "resolve", "unknown", "--scope", "tenant", "--store", dsn, "--completed"); code != 2 || !strings.Contains(errOut, "--completed needs --status") {
+		t.Errorf("keys resolve --completed without --status: exit %d %q; want a usage error", code, errOut)
+	}
+	if rec, err := engine().Get(context.Background(), "tenant", "unknown"); err != nil || rec.State != idem.StateUnknown {
+		t.Fatalf("after refused resolutions: %v, %v; want the record still unknown", rec.State, err)
+	}
+	if code, out, errOut := run(t, "keys", "resolve", "unknown", "--scope", "tenant", "--store", dsn, "--completed", "--status", "200"); code != 0 || !strings.Contains(out, "resolved unknown as completed") {
+		t.Fatalf("keys resolve --completed --status 200: exit %d %s%s", code, out, errOut)
 	}
 }

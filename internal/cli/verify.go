@@ -44,6 +44,15 @@ func runVerify(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		usageError(stderr, fs.Name(), "--url is required")
 		return 2
 	}
+	// Zero would be verify's default, not what was asked: refused too.
+	if cfg.Timeout <= 0 {
+		usageError(stderr, fs.Name(), fmt.Sprintf("--timeout %s: want a positive duration, such as 30s", cfg.Timeout))
+		return 2
+	}
+	if cfg.Concurrency <= 0 {
+		usageError(stderr, fs.Name(), fmt.Sprintf("--concurrency %d: want a positive number of duplicates, such as %d", cfg.Concurrency, verify.DefaultConcurrency))
+		return 2
+	}
 	cfg.Credentials = creds
 	progress := newProgress(stderr, "requests sent")
 	cfg.Progress = progress.update

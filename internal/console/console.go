@@ -616,8 +616,11 @@ func (c *Console) readAction(r *http.Request) (action, error) {
 	switch a.Name {
 	case "resolve_completed":
 		var err error
-		if a.Status, err = strconv.Atoi(strings.TrimSpace(f.Get("status"))); err != nil || a.Status < 100 || a.Status > 599 {
-			return a, errors.New("a completed outcome needs an HTTP status from 100 to 599 to replay")
+		if a.Status, err = strconv.Atoi(strings.TrimSpace(f.Get("status"))); err != nil {
+			return a, errors.New("a completed outcome needs an HTTP status to replay, a number from 200 to 999")
+		}
+		if err := finalStatus(a.Status); err != nil {
+			return a, err
 		}
 		if _, err := parseHeaders(a.Headers); err != nil {
 			return a, err
@@ -652,6 +655,18 @@ func (c *Console) readAction(r *http.Request) (action, error) {
 		return a, errors.New("the form does not say which record it saw")
 	}
 	return a, nil
+}
+
+// finalStatus says, on the form, what the store would refuse when the
+// action is done (store.FinishParams.Validate, whose rule and words these
+// are): a completed outcome replays a final status. A 1xx is an interim
+// answer, which net/http follows with an empty 200. The store stays the
+// judge: its refusal, should the two ever differ, is shown as well.
+func finalStatus(st int) error {
+	if st < 200 && st != http.StatusSwitchingProtocols || st > 999 {
+		return fmt.Errorf("response status %d is not a final HTTP status (200 to 999; a 1xx is an interim answer, which a replay would follow with an empty 200)", st)
+	}
+	return nil
 }
 
 // parseHeaders reads "Name: value" lines.
@@ -820,6 +835,10 @@ func (c *Console) settle(ctx context.Context, a action) (before, after string, e
 			after = describe(now)
 		}
 		return before, after, idem.ErrUnavailable
+	case errors.Is(err, idem.ErrInvalid):
+		// The store refused the outcome given (a status it does not
+		// replay): its words say what to change.
+		return before, before, errors.New(strings.TrimPrefix(err.Error(), idem.ErrInvalid.Error()+": "))
 	case err != nil:
 		return before, before, errors.New(errorText(err))
 	}

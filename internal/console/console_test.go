@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/httpidem"
 	"github.com/idemhq/idem/internal/console"
 	"github.com/idemhq/idem/internal/telemetry"
 	"github.com/idemhq/idem/reconcile"
@@ -289,6 +290,101 @@ func TestResolveCompleted(t *testing.T) {
 	a, err := console.OpenAudit(w.audit, true)
 	if err != nil || len(a.Recent()) != 1 || a.Recent()[0].Who != "ana" {
 		t.Errorf("reopened audit log: %+v, %v", a.Recent(), err)
+	}
+}
+
+// TestResolvedStatusIsReplayedAsResolved: the console offered "an HTTP
+// status from 100 to 599" and said "retries of this key will replay status
+// N"; a 1xx resolution was stored, but a retry got 200 (net/http sends a
+// 1xx as an interim answer and then a 200). A status that is not final is
+// refused on the form, in the store's words, and nothing changes; a final
+// one is replayed as it was given.
+func TestResolvedStatusIsReplayedAsResolved(t *testing.T) {
+	w := newWorld(t, console.Config{Token: token})
+	rec := w.unknown(t, "u1")
+	for _, status := range []string{"102", "199", "1000"} {
+		for _, path := range []string{"/console/confirm", "/console/act"} {
+			form := resolveForm(rec, "resolve_completed")
+			form.Set("status", status)
+			form.Set("body", "")
+			code, body := w.post(t, path, form, nil)
+			if want := "response status " + status + " is not a final HTTP status (200 to 999"; code != http.StatusBadRequest || !strings.Contains(html.UnescapeString(body), want) {
+				t.Errorf("%s with status %s: %d; want 400 saying %q\n%s", path, status, code, want, body)
+			}
+		}
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Fatalf("after refused resolutions the record is %s, want unknown", got.State)
+	}
+	if entries := w.entries(t); len(entries) != 0 {
+		t.Errorf("refused resolutions were audited: %q", entries)
+	}
+	form := resolveForm(rec, "resolve_completed")
+	form.Set("status", "202")
+	if code, body := w.post(t, "/console/act", form, nil); code != http.StatusSeeOther {
+		t.Fatalf("a resolution with status 202: %d; want 303\n%s", code, body)
+	}
+	mw, err := httpidem.New(httpidem.Config{Engine: w.eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw.Wrap(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		t.Error("the handler ran on a resolved key")
+	})))
+	defer srv.Close()
+	req, _ := http.NewRequest("POST", srv.URL+"/charges", strings.NewReader("u1"))
+	req.Header.Set("Idempotency-Key", "u1")
+	res, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if res.StatusCode != 202 || string(b) != `{"id":"ch_1"}` || res.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("a retry of a key resolved as completed with status 202 got %d %q (replayed %q); the console promised 202 and the body", res.StatusCode, b, res.Header.Get("Idempotent-Replayed"))
+	}
+}
+
+// pickyStore refuses every completed outcome, as a store refuses one it
+// cannot replay.
+type pickyStore struct{ idem.Store }
+
+func (s pickyStore) Finish(ctx context.Context, p store.FinishParams) error {
+	if p.State == idem.StateCompleted {
+		return fmt.Errorf("%w: response status %d is not one this store replays", idem.ErrInvalid, p.Response.Status)
+	}
+	return s.Store.Finish(ctx, p)
+}
+
+// TestStoreRefusalIsShownInItsWords: an outcome the store refuses is shown
+// to the operator in the store's words, which say what to change. (The
+// console said "Nothing was changed: idem: invalid input".)
+func TestStoreRefusalIsShownInItsWords(t *testing.T) {
+	clock := storetest.NewClock(time.Now().UTC().Truncate(time.Second))
+	eng, err := idem.New(idem.Config{Store: pickyStore{memstore.New()}, Clock: clock, Lease: 30 * time.Second, CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close(context.Background()) })
+	audit := filepath.Join(t.TempDir(), "audit.log")
+	a, err := console.OpenAudit(audit, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := console.New(console.Config{Engine: eng, Token: token, Audit: a, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(c)
+	defer srv.Close()
+	w := &world{eng: eng, clock: clock, srv: srv, audit: audit}
+	rec := w.unknown(t, "u1")
+	code, body := w.post(t, "/console/act", resolveForm(rec, "resolve_completed"), nil)
+	if want := "Nothing was changed: response status 201 is not one this store replays"; code != http.StatusConflict || !strings.Contains(html.UnescapeString(body), want) {
+		t.Fatalf("a resolution the store refuses: %d; want 409 saying %q\n%s", code, want, body)
+	}
+	if got := w.get(t, "u1"); got.State != idem.StateUnknown {
+		t.Fatalf("after a refused resolution the record is %s, want unknown", got.State)
 	}
 }
 
