@@ -104,7 +104,7 @@ routes:
     canonical_json: true         # {"a":1,"b":2} and {"b":2,"a":1} are the same payload
     exclude_fields: [client_ts]  # a member that differs between retries
   - match: POST /v1/ledger/transfers
-    takeover_safe: true          # the upstream commits everything in one transaction
+    takeover_safe: true          # the upstream deduplicates on the Idempotency-Key it is sent
     lease: 10s
   - match: /v1/webhooks/
     bypass: true

@@ -71,7 +71,7 @@ var settingHelp = map[string]string{
 	"max_response_body":   "the largest response body stored for replay (a larger one is answered once, then 409)",
 	"store_headers":       "store and replay only these response `header`s (repeatable)",
 	"wait":                "let a duplicate wait this long for the first request's outcome before a 409 (negative: 409 at once)",
-	"takeover_safe":       "the upstream commits all its effects atomically: an expired lease may be taken over",
+	"takeover_safe":       "an expired lease may be taken over (a retry runs the request again) instead of the record becoming UNKNOWN: only for an upstream that deduplicates on the Idempotency-Key it is sent (the proxy forwards it), since the upstream's transaction cannot hold idem's record",
 	"console_remote":      "serve the console to connections from other machines than this one (its pages show stored outcomes and need no token; by default: loopback only, through an SSH tunnel or kubectl port-forward)",
 	"explicit_release":    "store a 429 or 503 from the upstream and replay it like any other answer, instead of releasing the key (for an upstream that may answer 503 after acting); an upstream the proxy could not reach still releases it",
 	"fail_open":           "run requests unprotected when the store cannot be reached, instead of 503 (never when it answered with an error, such as a record it cannot read, access refused or writes refused)",
