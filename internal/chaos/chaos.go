@@ -199,10 +199,14 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	defer opened.Close()
-	eng, err := idem.New(idem.Config{Store: opened.Store, CacheSize: -1})
+	// The checker's engine reads what the proxies left: it prunes nothing
+	// (a record it is to check must not go under it), and it is closed
+	// before its store.
+	eng, err := idem.New(idem.Config{Store: opened.Store, CacheSize: -1, PruneInterval: -1})
 	if err != nil {
 		return nil, err
 	}
+	defer eng.Close(ctx)
 	if err := r.settle(ctx, eng); err != nil {
 		return nil, err
 	}
