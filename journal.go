@@ -440,15 +440,17 @@ const (
 // told.
 //
 // Any other entry is the write of an owner that held the record in its
-// store. When this store holds a record of the key, somebody else settled
-// or took it over before the write reached the store, and theirs stands.
-// When it holds none, the entry is another store's, in a directory shared
-// by engines on several stores (it reached the directory from an engine
-// whose store was away), or its record was deleted by hand: removing it
-// would lose an owner's outcome, the FAILED that lets its retry run, or the
-// UNKNOWN that holds the retries for the reconciler. This engine forgets
-// it, and leaves its file in the directory, for the engine of its store,
-// until the entry's bound ([journalEntry.bound]); after that it is dropped.
+// store. When this store holds a record of the key and payload, somebody
+// else settled or took it over before the write reached the store, and
+// theirs stands. When it holds none (or one of another payload: another
+// request's, under the same key, in another store), the entry is another
+// store's, in a directory shared by engines on several stores (it reached
+// the directory from an engine whose store was away), or its record was
+// deleted by hand: removing it would lose an owner's outcome, the FAILED
+// that lets its retry run, or the UNKNOWN that holds the retries for the
+// reconciler. This engine forgets it, and leaves its file in the directory,
+// for the engine of its store, until the entry's bound
+// ([journalEntry.bound]); after that it is dropped.
 func (j *journal) lost(ent *journalEntry, log *slog.Logger) verdict {
 	p := ent.Params
 	now := j.e.clock.Now()
@@ -470,7 +472,7 @@ func (j *journal) lost(ent *journalEntry, log *slog.Logger) verdict {
 	}
 	rec, err := j.e.Get(context.Background(), p.Scope, p.Key)
 	switch {
-	case errors.Is(err, ErrNotFound):
+	case errors.Is(err, ErrNotFound), err == nil && rec.Fingerprint != ent.Fingerprint:
 		log.Warn("idem journal: this store holds no record of a write that waits in the journal (another store's?); it is left in the directory until its bound",
 			"file", ent.name, "until", bound)
 		j.forget(ent)

@@ -495,3 +495,35 @@ func TestJournalDropsAnotherStoresWritesAfterTheirRetention(t *testing.T) {
 		})
 	}
 }
+
+// TestJournalLeavesAWriteForAnotherRecordOfTheKey: the other store holds a
+// record of the same key, another request's (one client's "order-123" sent
+// to two services, each behind its own proxy and store, the proxies sharing
+// a journal directory). That record is not the one the write settles: its
+// engine dropped the owner's completed outcome as "settled by someone
+// else", and the outcome its client was given was lost. It is left for
+// the engine of its store, which lands it.
+func TestJournalLeavesAWriteForAnotherRecordOfTheKey(t *testing.T) {
+	sa, sb := memstore.New(), memstore.New()
+	other, err := idem.New(idem.Config{Store: sb})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shipping := idem.NewFingerprint(idem.Payload{Method: "POST", Path: "/shipments", Body: []byte(`{"order":"123"}`)})
+	out, err := other.Begin(ctx, idem.BeginParams{Key: "k", Fingerprint: shipping})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatal(out.Decision, err)
+	}
+	if err := other.Complete(ctx, out.Lease, &idem.Response{Status: 201, Body: []byte("shipped")}); err != nil {
+		t.Fatal(err)
+	}
+	rec, left := leftForItsStore(t, t.TempDir(), sa, sb, func(e *idem.Engine, l idem.Lease) error {
+		return e.Complete(ctx, l, &idem.Response{Status: 201, Body: []byte("charged")})
+	})
+	if left != 1 {
+		t.Errorf("%d entries after the other store's engine ran; want the outcome left for its store", left)
+	}
+	if rec.State != idem.StateCompleted || rec.Response == nil || string(rec.Response.Body) != "charged" {
+		t.Fatalf("the owner's record is %s (%+v); want COMPLETED with the outcome its client was given", rec.State, rec.Response)
+	}
+}
