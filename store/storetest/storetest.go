@@ -23,9 +23,11 @@ import (
 	"maps"
 	"net/http"
 	"reflect"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -35,7 +37,11 @@ import (
 	"github.com/idemhq/idem/store"
 )
 
-// Racers is how many goroutines race for one key in the concurrency cases.
+// Racers is how many goroutines race for one key in the concurrency cases of
+// [RunInstances] and in those of [Run] that race Begins through the engine.
+// (The cases of Run that race raw store calls use fewer, so that a slow
+// backend answers them quickly: those calls all reach the store, where an
+// engine sends one acquire of a key at a time.)
 const Racers = 200
 
 // Run runs every case of the suite as a parallel subtest. newStore is called
@@ -51,8 +57,11 @@ func Run(t *testing.T, newStore func(t *testing.T) idem.Store) {
 		{"ConcurrentTakeoverOneWinner", testConcurrentTakeoverOneWinner},
 		{"ConcurrentExpiryNeverExecutes", testConcurrentExpiryNeverExecutes},
 		{"ConcurrentDistinctKeys", testConcurrentDistinctKeys},
+		{"ConcurrentStoreAcquiresOneWinner", testConcurrentStoreAcquiresOneWinner},
+		{"ConcurrentSettlementsOneLands", testConcurrentSettlementsOneLands},
 		{"StaleTokenLosesEveryWrite", testStaleTokenLosesEveryWrite},
 		{"RepeatedAcquireKeepsLease", testRepeatedAcquireKeepsLease},
+		{"UpdatedSaysWhenItChanged", testUpdatedSaysWhenItChanged},
 		{"FinishRepeatSucceeds", testFinishRepeatSucceeds},
 		{"RenewExtendsLease", testRenewExtendsLease},
 		{"LeaseHoldsToItsLastMillisecond", testLeaseHoldsToItsLastMillisecond},
@@ -320,7 +329,7 @@ func sameResponse(t *testing.T, got, want *idem.Response) {
 // outcomes.
 func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
 	t.Helper()
-	outs, errs := raceEach(t, func(int) (idem.Outcome, error) { return fn() })
+	outs, errs, _ := raceEach(t, Racers, func(int) (idem.Outcome, error) { return fn() })
 	for _, err := range errs {
 		if err != nil {
 			t.Fatalf("racer: %v", err)
@@ -329,25 +338,38 @@ func race(t *testing.T, fn func() (idem.Outcome, error)) []idem.Outcome {
 	return outs
 }
 
-// raceEach runs fn(i) for each i below Racers, on goroutines released
-// together, and returns their results and errors by i.
-func raceEach[T any](t *testing.T, fn func(i int) (T, error)) ([]T, []error) {
+// raceEach runs fn(i) for each i below n, on goroutines started together,
+// and returns their results and errors by i, and the most calls of fn that
+// were under way at once. The goroutines wait for the start by yielding, not
+// parked on a channel, so that one is running on each thread when it comes
+// (released from a channel, they are all queued on the releasing thread).
+func raceEach[T any](t *testing.T, n int, fn func(i int) (T, error)) ([]T, []error, int) {
 	t.Helper()
-	outs := make([]T, Racers)
-	errs := make([]error, Racers)
-	start := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := range Racers {
+	outs := make([]T, n)
+	errs := make([]error, n)
+	var started atomic.Bool
+	var under, most atomic.Int32
+	var ready, wg sync.WaitGroup
+	for i := range n {
+		ready.Add(1)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			<-start
+			ready.Done()
+			for !started.Load() {
+				runtime.Gosched()
+			}
+			now := under.Add(1)
+			for m := most.Load(); now > m && !most.CompareAndSwap(m, now); m = most.Load() {
+			}
 			outs[i], errs[i] = fn(i)
+			under.Add(-1)
 		}()
 	}
-	close(start)
+	ready.Wait() // every goroutine is waiting for the start
+	started.Store(true)
 	wait.Done(t, 2*time.Minute, "the concurrent goroutines to finish", wg.Wait)
-	return outs, errs
+	return outs, errs, int(most.Load())
 }
 
 func count(outs []idem.Outcome) map[idem.Decision]int {
@@ -375,6 +397,14 @@ func testAcquireCreatesRecord(t *testing.T, h *harness) {
 	}
 }
 
+// testConcurrentAcquireOneWinner: Racers Begins of one key through one
+// engine; one executes, every other is told the work is in flight, and,
+// once it completed, replayed or told of a mismatch. One engine sends one
+// acquire of a key to the store at a time (it answers the Begins that come
+// meanwhile with that acquire's answer), so this and the other engine races
+// check the decisions the engine makes on the store's records, not the
+// store's atomicity: ConcurrentStoreAcquiresOneWinner sends the store many
+// acquires at once.
 func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	outs := race(t, func() (idem.Outcome, error) {
 		return h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "hot", Fingerprint: testkit.Fingerprint("a")})
@@ -411,6 +441,10 @@ func testConcurrentAcquireOneWinner(t *testing.T, h *harness) {
 	}
 }
 
+// testConcurrentTakeoverOneWinner: Racers Begins through one engine of a
+// key whose takeover-safe lease ran out; one takes it over, with the next
+// fence and a new token, and every other is told it is in flight. (See
+// testConcurrentAcquireOneWinner on what an engine race shows.)
 func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
 	first, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "tx", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: true})
 	if err != nil || first.Decision != idem.Execute {
@@ -431,6 +465,10 @@ func testConcurrentTakeoverOneWinner(t *testing.T, h *harness) {
 	}
 }
 
+// testConcurrentExpiryNeverExecutes: Racers Begins through one engine of a
+// key whose lease ran out, not takeover-safe; none executes, every one is
+// told the outcome is uncertain. (See testConcurrentAcquireOneWinner on what
+// an engine race shows.)
 func testConcurrentExpiryNeverExecutes(t *testing.T, h *harness) {
 	h.mustExecute(t, "s", "crash", testkit.Fingerprint("a"))
 	h.clock.Advance(lease)
@@ -554,20 +592,136 @@ func testRepeatedAcquireKeepsLease(t *testing.T, h *harness) {
 	}
 }
 
+// testUpdatedSaysWhenItChanged: a record's Updated is the time of the call
+// that last changed it: a renewal, a takeover, an acquire that made an
+// expired lease UNKNOWN, its owner's MarkUnknown, a completion, a release,
+// a reconciler's settlement; and a re-run after a release is a new record,
+// created and updated then. The reconciler's grace for an UNKNOWN record
+// starts at Updated (reconcile.Abandoned): a store that left it at the
+// record's creation would have a record that a retry made UNKNOWN a moment
+// ago settled at once, while its owner may still store the outcome.
+func testUpdatedSaysWhenItChanged(t *testing.T, h *harness) {
+	fp := testkit.Fingerprint("a")
+	updated := func(key, after string) {
+		t.Helper()
+		if r := h.get(t, "s", key); !r.Updated.Equal(h.clock.Now()) {
+			t.Errorf("after %s: updated %v; want %v, the time of that call", after, r.Updated, h.clock.Now())
+		}
+	}
+	renewed := h.mustExecute(t, "s", "renewed", fp)
+	h.mustExecute(t, "s", "made unknown", fp)
+	marked := h.mustExecute(t, "s", "marked unknown", fp)
+	completed := h.mustExecute(t, "s", "completed", fp)
+	released := h.mustExecute(t, "s", "released", fp)
+	reconciled := h.mustExecute(t, "s", "reconciled", fp)
+	if out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "taken over", Fingerprint: fp, TakeoverSafe: true}); err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin = %v, %v; want execute", out.Decision, err)
+	}
+
+	h.clock.Advance(time.Second)
+	if _, err := h.eng.Renew(ctx, renewed); err != nil {
+		t.Fatal(err)
+	}
+	updated("renewed", "a renewal")
+	if err := h.eng.MarkUnknown(ctx, marked); err != nil {
+		t.Fatal(err)
+	}
+	updated("marked unknown", "its owner's MarkUnknown")
+	h.complete(t, completed, okResponse("x"))
+	updated("completed", "a completion")
+	if err := h.eng.Release(ctx, released); err != nil {
+		t.Fatal(err)
+	}
+	updated("released", "a release")
+
+	h.clock.Advance(lease)
+	h.expect(t, "s", "made unknown", fp, idem.Uncertain)
+	if r := h.get(t, "s", "made unknown"); r.State != idem.StateUnknown {
+		t.Fatalf("record after its lease ran out = %+v; want unknown", r)
+	}
+	updated("made unknown", "an acquire that made the expired lease unknown")
+	if out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "taken over", Fingerprint: fp, TakeoverSafe: true}); err != nil || out.Decision != idem.Execute {
+		t.Fatalf("Begin after the takeover-safe lease ran out = %v, %v; want a takeover", out.Decision, err)
+	}
+	updated("taken over", "a takeover")
+
+	h.clock.Advance(time.Second)
+	settle := h.finishParams(reconciled, idem.StateFailed, nil)
+	settle.Repeat = false // a reconciler borrows the token
+	wantErr(t, "a reconciler's release", h.store.Finish(ctx, settle), nil)
+	updated("reconciled", "a reconciler's release")
+	settle = h.finishParams(marked, idem.StateCompleted, okResponse("late"))
+	settle.Repeat = false
+	wantErr(t, "a reconciler's settlement of an unknown record", h.store.Finish(ctx, settle), nil)
+	updated("marked unknown", "a reconciler's settlement of the unknown record")
+	h.mustExecute(t, "s", "released", fp)
+	if r := h.get(t, "s", "released"); !r.Created.Equal(h.clock.Now()) {
+		t.Errorf("a re-run after a release: created %v; want %v, a new record", r.Created, h.clock.Now())
+	}
+	updated("released", "a re-run after a release")
+}
+
+// otherHeaders are changes to a response's header that make it another
+// response: change reports false where it finds nothing to change.
+var otherHeaders = []struct {
+	what   string
+	change func(http.Header) bool
+}{
+	{"another header", func(h http.Header) bool { h.Set("X-Other", "1"); return true }},
+	{"another value of a header", func(h http.Header) bool {
+		for _, name := range slices.Sorted(maps.Keys(h)) {
+			if len(h[name]) > 0 {
+				h[name] = append([]string{h[name][0] + "; other"}, h[name][1:]...)
+				return true
+			}
+		}
+		return false
+	}},
+	{"a header under another name", func(h http.Header) bool {
+		for _, name := range slices.Sorted(maps.Keys(h)) {
+			values := h[name]
+			delete(h, name)
+			h["X-Other"] = values
+			return true
+		}
+		return false
+	}},
+	{"the values of a header in another order", func(h http.Header) bool {
+		for _, name := range slices.Sorted(maps.Keys(h)) {
+			if len(h[name]) > 1 {
+				slices.Reverse(h[name])
+				return true
+			}
+		}
+		return false
+	}},
+	{"a header with one value fewer", func(h http.Header) bool {
+		for _, name := range slices.Sorted(maps.Keys(h)) {
+			if len(h[name]) > 1 {
+				h[name] = h[name][:len(h[name])-1]
+				return true
+			}
+		}
+		return false
+	}},
+}
+
 // testFinishRepeatSucceeds: an owner whose Finish got no answer (the reply
 // was lost, the connection died after the commit, the driver timed out)
 // sends the very same Finish again, marked Repeat. The repeat must succeed,
 // whether or not the first one landed, rather than report the lease lost;
-// any other outcome under the same token (another status, body or header)
-// is still refused, so the repeat can never overwrite anything. Unmarked, it
-// is refused: two writers borrowing one token (reconcilers) must not both
-// succeed.
+// any other outcome under the same token (another status, body, header,
+// value of a header, or order of a header's values) is still refused, so the
+// repeat can never overwrite anything. Unmarked, it is refused: two writers
+// borrowing one token (reconcilers) must not both succeed.
 func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 	finish := h.finishParams
 	bodies := map[string]*idem.Response{"small": okResponse(`{"id":"ch_1"}`), "no header": {Status: 204},
 		// HTTP allows any byte in a header value (a Latin-1 file name):
 		// one that is no UTF-8 is kept as it is, and its repeat lands.
-		"latin-1 header": {Status: 200, Header: http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.pdf\""}}, Body: []byte("%PDF")}}
+		"latin-1 header": {Status: 200, Header: http.Header{"Content-Disposition": {"attachment; filename=\"caf\xe9.pdf\""}}, Body: []byte("%PDF")},
+		"multi-value header": {Status: 200, Header: http.Header{"Content-Type": {"application/json"},
+			"Link": {`</orders?page=1>; rel="prev"`, `</orders?page=3>; rel="next"`}}, Body: []byte(`{"page":2}`)}}
 	if limit := store.MaxBody(h.store); limit < 8<<20 {
 		bodies["over the store's limit"] = &idem.Response{Status: 201, Body: bytes.Repeat([]byte("x"), limit+1)}
 	}
@@ -589,13 +743,16 @@ func testFinishRepeatSucceeds(t *testing.T, h *harness) {
 				other.Body = []byte("another body")
 				wantErr(t, "another body under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
 			}
-			other = *resp
-			other.Header = resp.Header.Clone()
-			if other.Header == nil {
-				other.Header = http.Header{}
+			for _, c := range otherHeaders {
+				other = *resp
+				other.Header = resp.Header.Clone()
+				if other.Header == nil {
+					other.Header = http.Header{}
+				}
+				if c.change(other.Header) {
+					wantErr(t, c.what+" under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
+				}
 			}
-			other.Header.Set("X-Other", "1")
-			wantErr(t, "another header under the same token", h.store.Finish(ctx, finish(l, idem.StateCompleted, &other)), idem.ErrLeaseLost)
 			wantErr(t, "a release under the same token", h.store.Finish(ctx, finish(l, idem.StateFailed, nil)), idem.ErrLeaseLost)
 			wantErr(t, "unknown under the same token", h.store.Finish(ctx, finish(l, idem.StateUnknown, nil)), idem.ErrLeaseLost)
 			r := h.get(t, "s", "completed "+name)
@@ -816,6 +973,31 @@ func testTakeoverWhenDeclared(t *testing.T, h *harness) {
 	repeat := h.finishParams(old.Lease, idem.StateCompleted, settled.Response)
 	repeat.Expires = settled.Expires
 	wantErr(t, "old owner's repeat of the new owner's outcome", h.store.Finish(ctx, repeat), idem.ErrLeaseLost)
+
+	// The record is as takeover-safe as the lease that holds it: a takeover
+	// by a lease that is not leaves a record whose expiry is uncertain.
+	once := func(safe bool) idem.Outcome {
+		t.Helper()
+		out, err := h.eng.Begin(ctx, idem.BeginParams{Scope: "s", Key: "safe once", Fingerprint: testkit.Fingerprint("a"), TakeoverSafe: safe})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	if d := once(true).Decision; d != idem.Execute {
+		t.Fatalf("first Begin = %v", d)
+	}
+	h.clock.Advance(lease)
+	if out := once(false); out.Decision != idem.Execute || out.Lease.Fence != 2 {
+		t.Fatalf("takeover by a lease that is not takeover-safe = %v %+v, want execute with fence 2", out.Decision, out.Lease)
+	}
+	if r := h.get(t, "s", "safe once"); r.TakeoverSafe {
+		t.Fatalf("record after a takeover by a lease that is not takeover-safe = %+v; want it not takeover-safe", r)
+	}
+	h.clock.Advance(lease)
+	if d := once(true).Decision; d != idem.Uncertain {
+		t.Fatalf("once that lease ran out: %v, want uncertain", d)
+	}
 }
 
 func testReplayIsByteIdentical(t *testing.T, h *harness) {
@@ -1364,6 +1546,9 @@ func testCheckpointEndsTakeover(t *testing.T, h *harness) {
 	}
 }
 
+// testCheckpointNeedsRunningLease: a checkpoint lands only under the token
+// of an IN_PROGRESS record whose lease has not run out, and only when its
+// name and data are within the limits.
 func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	l := h.mustExecute(t, "s", "k", testkit.Fingerprint("a"))
 	forged := l
@@ -1385,6 +1570,24 @@ func testCheckpointNeedsRunningLease(t *testing.T, h *harness) {
 	}
 	if err := h.eng.Checkpoint(ctx, l, strings.Repeat("n", store.MaxCheckpointName), make([]byte, store.MaxCheckpointData)); err != nil {
 		t.Fatalf("Checkpoint at the limits: %v", err)
+	}
+	// A settled record takes no checkpoint, though its lease has time left.
+	for _, c := range []struct {
+		settled string
+		settle  func(idem.Lease) error
+	}{
+		{"completed", func(l idem.Lease) error { return h.eng.Complete(ctx, l, okResponse("x")) }},
+		{"released", func(l idem.Lease) error { return h.eng.Release(ctx, l) }},
+		{"marked unknown", func(l idem.Lease) error { return h.eng.MarkUnknown(ctx, l) }},
+	} {
+		settled := h.mustExecute(t, "s", c.settled, testkit.Fingerprint("a"))
+		if err := c.settle(settled); err != nil {
+			t.Fatal(err)
+		}
+		wantErr(t, "Checkpoint of a record "+c.settled+" while its lease runs", h.eng.Checkpoint(ctx, settled, "x", nil), idem.ErrLeaseLost)
+		if r := h.get(t, "s", c.settled); len(r.Checkpoints) != 0 {
+			t.Fatalf("a record %s took %d checkpoints", c.settled, len(r.Checkpoints))
+		}
 	}
 	h.clock.Advance(lease) // exactly at expiry: too late
 	wantErr(t, "Checkpoint at expiry", h.eng.Checkpoint(ctx, l, "x", nil), idem.ErrLeaseLost)
