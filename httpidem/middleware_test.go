@@ -16,6 +16,7 @@ import (
 	"net/url"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -987,9 +988,15 @@ func TestStoreBodyLimitCapsWhatIsKept(t *testing.T) {
 }
 
 // TestProblemsSpeakStripe: every problem says whether to retry
-// (Stripe-Should-Retry), and a final one also carries a Stripe-style
-// "error" member, so that Stripe's SDKs raise a typed error instead of
-// retrying; one worth retrying carries none, so that they retry it.
+// (Stripe-Should-Retry) and carries an "error" member. A final one's is a
+// Stripe-style object, so that Stripe's SDKs raise a typed error instead of
+// retrying. One worth retrying has its code alone, a string (with the
+// message in "error_description", as an OAuth error): stripe-go cannot
+// decode it into its error and retries it, and stripe-node, which went by
+// Stripe-Should-Retry and raises only on an answer with an "error" member,
+// raises it when its retries run out (it resolved the call with the problem
+// as if it were the object asked for). Either form decodes back into a
+// Problem.
 func TestProblemsSpeakStripe(t *testing.T) {
 	final := map[string]string{
 		httpidem.ProblemKeyMissing:        "invalid_request_error",
@@ -1002,12 +1009,15 @@ func TestProblemsSpeakStripe(t *testing.T) {
 		httpidem.ProblemUpstreamUncertain: "api_error",
 	}
 	retry := []string{httpidem.ProblemInProgress, httpidem.ProblemStoreUnavailable, httpidem.ProblemUpstreamFailed, httpidem.ProblemRequestUnreadable, httpidem.ProblemNotRun}
+	snake := regexp.MustCompile(`^[a-z]+(_[a-z]+)+$`)
+	codes := map[string]string{} // code: the type it names
 	for _, typ := range append(retry, slices.Collect(maps.Keys(final))...) {
 		w := httptest.NewRecorder()
 		(&httpidem.Problem{Type: typ, Title: "t", Status: 409, Detail: "d"}).Write(w)
 		var body struct {
-			Type  string
-			Error *struct{ Type, Code, Message string }
+			Type             string
+			Error            json.RawMessage
+			ErrorDescription string `json:"error_description"`
 		}
 		if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || body.Type != typ {
 			t.Fatalf("%s: body %q, %v", typ, w.Body, err)
@@ -1016,11 +1026,34 @@ func TestProblemsSpeakStripe(t *testing.T) {
 		if got := w.Header().Get(httpidem.HeaderShouldRetry); got != strconv.FormatBool(!isFinal) {
 			t.Errorf("%s: Stripe-Should-Retry %q", typ, got)
 		}
-		switch {
-		case isFinal && (body.Error == nil || body.Error.Type != want || body.Error.Code == "" || body.Error.Message != "t: d"):
-			t.Errorf("%s: error member %+v, want type %s with a code and the message", typ, body.Error, want)
-		case !isFinal && body.Error != nil:
-			t.Errorf("%s: a problem worth retrying carries an error member %+v", typ, body.Error)
+		var code string
+		if isFinal {
+			var e struct {
+				Type, Code, Message string
+				DocURL              string `json:"doc_url"`
+			}
+			if err := json.Unmarshal(body.Error, &e); err != nil || e.Type != want || e.Code == "" || e.Message != "t: d" || e.DocURL != typ {
+				t.Errorf("%s: error member %s (%v), want an object of type %s with a code, the message and the doc URL", typ, body.Error, err, want)
+			}
+			if body.ErrorDescription != "" {
+				t.Errorf("%s: a final problem has an error_description %q", typ, body.ErrorDescription)
+			}
+			code = e.Code
+		} else {
+			if err := json.Unmarshal(body.Error, &code); err != nil {
+				t.Errorf("%s: error member %s; a problem worth retrying must have a string (stripe-node raises it, stripe-go retries it): %v", typ, body.Error, err)
+			}
+			if body.ErrorDescription != "t: d" {
+				t.Errorf("%s: error_description %q, want the message", typ, body.ErrorDescription)
+			}
+		}
+		if !snake.MatchString(code) || codes[code] != "" {
+			t.Errorf("%s: code %q; want snake_case, one per type (%q has it)", typ, code, codes[code])
+		}
+		codes[code] = typ
+		var p httpidem.Problem
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Type != typ || p.Error == nil || p.Error.Code != code {
+			t.Errorf("%s: decoded back into a Problem: %+v, %v", typ, p, err)
 		}
 	}
 	// A handler's own type says nothing of a retry: its 400 was marked

@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,7 +39,8 @@ type fakeStripe struct {
 	next    int
 	runs    map[string][]string // by Stripe-Account + Idempotency-Key: the ids it made
 	slow    time.Duration       // how long a payment intent of amount 777 takes
-	arrived chan string         // the keys of slow requests as they arrive
+	held    chan struct{}       // a payment intent of amount 778 waits until it is closed
+	arrived chan string         // the keys of slow and held requests as they arrive
 }
 
 func (f *fakeStripe) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -47,9 +49,13 @@ func (f *fakeStripe) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), 400)
 		return
 	}
-	if r.PostForm.Get("amount") == "777" {
+	switch r.PostForm.Get("amount") {
+	case "777":
 		f.arrived <- key
 		time.Sleep(f.slow)
+	case "778":
+		f.arrived <- key
+		<-f.held
 	}
 	f.mu.Lock()
 	f.next++
@@ -113,8 +119,8 @@ func (c *counting) lastKey() string {
 var listening = regexp.MustCompile(`msg="idem proxy listening" addr=(\S+)`)
 
 // world is stripe-go talking to a fake Stripe through `idem proxy` in its
-// default configuration plus the scope headers of a platform, with a fault
-// proxy on each side.
+// default configuration plus the scope headers of a platform (and the flags
+// newWorld is given), with a fault proxy on each side.
 type world struct {
 	api               *fakeStripe
 	toProxy, toUpstrm *faultnet.Proxy
@@ -122,20 +128,26 @@ type world struct {
 	client            *stripe.Client
 }
 
-func newWorld(t *testing.T) *world {
+// newWorld starts a world; flags are added to the proxy's (a --store among
+// them replaces its SQLite file).
+func newWorld(t *testing.T, flags ...string) *world {
 	t.Helper()
-	api := &fakeStripe{runs: map[string][]string{}, slow: 2500 * time.Millisecond, arrived: make(chan string, 16)}
+	api := &fakeStripe{runs: map[string][]string{}, slow: 2500 * time.Millisecond, held: make(chan struct{}), arrived: make(chan string, 16)}
 	upstream := httptest.NewServer(api)
 	t.Cleanup(upstream.Close)
+	t.Cleanup(api.release) // before the upstream closes, which waits for its handlers
 	toUpstream, err := faultnet.Listen(strings.TrimPrefix(upstream.URL, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { toUpstream.Close() })
 	dir := t.TempDir()
-	cmd := exec.Command(idemBin, "proxy", "--listen", "127.0.0.1:0", "--upstream", "http://"+toUpstream.Addr(),
-		"--store", "sqlite:"+filepath.Join(dir, "idem.db"), "--journal-dir", filepath.Join(dir, "journal"),
-		"--scope-header", "Authorization", "--scope-header", "Stripe-Account")
+	args := []string{"proxy", "--listen", "127.0.0.1:0", "--upstream", "http://" + toUpstream.Addr(),
+		"--journal-dir", filepath.Join(dir, "journal"), "--scope-header", "Authorization", "--scope-header", "Stripe-Account"}
+	if !slices.Contains(flags, "--store") {
+		args = append(args, "--store", "sqlite:"+filepath.Join(dir, "idem.db"))
+	}
+	cmd := exec.Command(idemBin, append(args, flags...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -159,14 +171,29 @@ func newWorld(t *testing.T) *world {
 	}
 	t.Cleanup(func() { toProxy.Close() })
 	count := &counting{next: &http.Transport{}, attempts: map[string]int{}}
+	client := goClient("http://"+toProxy.Addr(), count)
+	return &world{api: api, toProxy: toProxy, toUpstrm: toUpstream, count: count, client: client}
+}
+
+// release lets the held payment intents (amount 778) finish.
+func (f *fakeStripe) release() {
+	select {
+	case <-f.held:
+	default:
+		close(f.held)
+	}
+}
+
+// goClient is stripe-go, unchanged but for its URL and its quiet logger,
+// counting its attempts with count.
+func goClient(url string, count *counting) *stripe.Client {
 	backend := stripe.GetBackendWithConfig(stripe.APIBackend, &stripe.BackendConfig{
-		URL:        stripe.String("http://" + toProxy.Addr()),
+		URL:        stripe.String(url),
 		HTTPClient: &http.Client{Transport: count, Timeout: 30 * time.Second},
 		// MaxNetworkRetries is the SDK's default, 2.
 		LeveledLogger: &stripe.LeveledLogger{Level: stripe.LevelNull},
 	})
-	client := stripe.NewClient("sk_test_platform", stripe.WithBackends(&stripe.Backends{API: backend}))
-	return &world{api: api, toProxy: toProxy, toUpstrm: toUpstream, count: count, client: client}
+	return stripe.NewClient("sk_test_platform", stripe.WithBackends(&stripe.Backends{API: backend}))
 }
 
 func intent(amount int64, key string) *stripe.PaymentIntentCreateParams {
@@ -352,6 +379,7 @@ type nodeResult struct {
 	Error    string `json:"error"` // the SDK's error class
 	Type     string `json:"type"`  // the API's error type
 	Code     string `json:"code"`
+	Message  string `json:"message"`
 	Status   int    `json:"status"`
 	Attempts int    `json:"attempts"`
 }
@@ -388,7 +416,19 @@ func startNode(t *testing.T, api string) *nodeClient {
 // create asks stripe-node for a payment intent under key.
 func (n *nodeClient) create(t *testing.T, amount int, key string) nodeResult {
 	t.Helper()
+	n.send(amount, key)
+	return n.answer(t)
+}
+
+// send asks stripe-node for a payment intent under key, without waiting for
+// its answer.
+func (n *nodeClient) send(amount int, key string) {
 	fmt.Fprintf(n.in, `{"amount":%d,"key":%q}`+"\n", amount, key)
+}
+
+// answer is what stripe-node says to the oldest command not yet answered.
+func (n *nodeClient) answer(t *testing.T) nodeResult {
+	t.Helper()
 	got := wait.Recv(t, n.lines, 30*time.Second, "stripe-node's answer")
 	var r nodeResult
 	if err := json.Unmarshal([]byte(got), &r); err != nil {

@@ -25,7 +25,8 @@ for await (const line of readline.createInterface({ input: process.stdin })) {
     const pi = await stripe.paymentIntents.create({ amount: cmd.amount, currency: 'eur' }, opts);
     out = { id: pi.id };
   } catch (err) {
-    out = { error: err.type, type: (err.raw && err.raw.type) || '', code: err.code || '', status: err.statusCode || 0 };
+    out = { error: err.type, type: (err.raw && err.raw.type) || '', code: err.code || '', message: err.message || '',
+      status: err.statusCode || 0 };
   }
   out.attempts = attempts.get(cmd.key || '') || 0;
   process.stdout.write(JSON.stringify(out) + '\n');
