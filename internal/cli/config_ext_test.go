@@ -189,3 +189,36 @@ func TestDemoRefusesAnAcquirerThatIsNoURL(t *testing.T) {
 		t.Fatalf("demo --acquirer 127.0.0.1:8090: exit %d, %s; want 2 and what --acquirer takes", code, errOut.String())
 	}
 }
+
+// TestProxyRefusesAPasswordReadAsAPort: a password with an unencoded / at
+// its start ("/…", or digits then "/") is read by url.Parse as a port and
+// a path. With the store's, the proxy started (the "host", the user name,
+// does not resolve: unavailable), and its log and /readyz, which load
+// balancers and anyone reaching the admin listener read, showed the
+// password in the driver's error ("database=hunter2@…"); with the
+// upstream's, it started, sending every request to the host "svc", and its
+// start-up line showed the password. Both are refused now, asking for the
+// password percent-encoded, without showing it.
+func TestProxyRefusesAPasswordReadAsAPort(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--upstream", "http://127.0.0.1:9", "--store", "postgres://app.invalid:/hunter2@127.0.0.1:5432/test"}, "percent-encoded"},
+		{[]string{"--upstream", "http://127.0.0.1:9", "--store", "postgres://app.invalid:2024/hunter2@127.0.0.1:5432/test"}, "percent-encoded"},
+		{[]string{"--upstream", "http://127.0.0.1:9", "--store", "redis://:/hunter2@127.0.0.1:6379/0"}, "percent-encoded"},
+		{[]string{"--upstream", "http://svc:/hunter2@127.0.0.1:9", "--store", "memory:"}, "user information"},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		var out, errOut strings.Builder
+		args := append([]string{"proxy", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+			"--journal-dir", filepath.Join(t.TempDir(), "journal")}, c.args...)
+		code := cli.Main(ctx, args, cli.EnvOf(nil), &out, &errOut)
+		timedOut := ctx.Err() != nil
+		cancel()
+		if code == 0 || timedOut || strings.Contains(errOut.String()+out.String(), "hunter2") || !strings.Contains(errOut.String(), c.want) {
+			t.Errorf("proxy %q: exit %d (ran until the deadline: %v), %s; want it refused at start, saying %q, without the password",
+				c.args, code, timedOut, errOut.String()+out.String(), c.want)
+		}
+	}
+}

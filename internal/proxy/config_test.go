@@ -60,3 +60,28 @@ func TestUpstreamWithUserInfoIsRefused(t *testing.T) {
 		t.Errorf("upstream with user-info: %v; want it refused, without its password", err)
 	}
 }
+
+// TestUpstreamWithASlashInItsPasswordIsRefused: the check that refuses an
+// upstream URL with user-info (and never shows its password) was passed by
+// a password with an unencoded / at its start: url.Parse reads "svc:" as
+// host:port, so the proxy accepted it, sent every request to host "svc"
+// under the path "/hunter2@127.0.0.1:9000/…", and logged the password whole
+// in its start-up line. An @ in the path of an upstream without a port is
+// no user-info, and one with a port takes it encoded (%40).
+func TestUpstreamWithASlashInItsPasswordIsRefused(t *testing.T) {
+	for _, upstream := range []string{"http://svc:/hunter2@127.0.0.1:9000", "http://svc:2024/hunter2@127.0.0.1:9000",
+		"https://svc:?hunter2@127.0.0.1:9000", "http://api.example:8080/users/@hunter2"} {
+		cfg := proxy.DefaultConfig()
+		cfg.Upstream = upstream
+		if err := cfg.Validate(); err == nil || strings.Contains(err.Error(), "hunter2") || !strings.Contains(err.Error(), "user information") {
+			t.Errorf("upstream %s: %v; want it refused (user-info), without its password", upstream, err)
+		}
+	}
+	for _, upstream := range []string{"http://api.example/users/@me", "http://api.example:8080/users/%40me", "http://[::1]:8080/users/@me"} {
+		cfg := proxy.DefaultConfig()
+		cfg.Upstream = upstream
+		if err := cfg.Validate(); err != nil {
+			t.Errorf("upstream %s: %v; want it accepted", upstream, err)
+		}
+	}
+}

@@ -37,6 +37,7 @@ import (
 	"net/http/httptrace"
 	"net/http/httputil"
 	"net/url"
+	"path"
 	"slices"
 	"strings"
 	"sync"
@@ -380,6 +381,11 @@ func (cfg Config) upstreamURL() (*url.URL, error) {
 		// credentials, never the proxy's.
 		return nil, fmt.Errorf("upstream %s: want a URL without user information (user@ or user:password@): the proxy does not send it", redact.URL(cfg.Upstream))
 	}
+	if redact.HiddenUserInfo(cfg.Upstream) {
+		// A password with an unencoded / at its start: url.Parse reads
+		// "user:" as the host and port, and the rest as the path.
+		return nil, fmt.Errorf("upstream %s: want a URL without user information (user@ or user:password@), and it reads as one whose password has an unencoded / ? or # (an @ after a host with a port, which is part of the path, is written %%40)", redact.URL(cfg.Upstream))
+	}
 	return target, nil
 }
 
@@ -403,6 +409,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 	}
 	mux := http.NewServeMux()
 	hasRoot := false
+	var root http.Handler // the route of "/": the defaults, unless a route is "/"
 	add := func(pattern string, rules Route) (err error) {
 		defer func() { // ServeMux panics on a bad or conflicting pattern
 			if p := recover(); p != nil {
@@ -417,7 +424,11 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 			}
 			h = mw.Wrap(keptWhole(up))
 		}
-		mux.Handle(pattern, h)
+		r := &route{h}
+		mux.Handle(pattern, r)
+		if pattern == "/" {
+			root = r
+		}
 		return nil
 	}
 	for _, rt := range cfg.Routes {
@@ -434,7 +445,7 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 			return nil, err
 		}
 	}
-	var h http.Handler = mux
+	var h http.Handler = routes(mux, root)
 	if cfg.AccessLog {
 		h = accessLog(h, log)
 	}
@@ -442,6 +453,123 @@ func Handler(cfg Config, eng *idem.Engine, log *slog.Logger, hooks Hooks) (http.
 		h = hooks.Wrap(h)
 	}
 	return h, nil
+}
+
+// route is the handler of a route in the mux, told apart from what the mux
+// makes by itself (a redirect, a 404 or a 405).
+type route struct{ http.Handler }
+
+// badPath answers a request whose path reads as different routes.
+var badPath = &httpidem.Problem{Type: "about:blank", Title: "Bad Request", Status: http.StatusBadRequest,
+	Detail: "the path reads as different routes depending on how it is cleaned or decoded (. or .. segments, %2F, %2E): send it in its plain form"}
+
+// routes serves each request with the handler of its route in mux, and
+// passes the request on unchanged: the mux never answers by itself. (Served
+// by a ServeMux, a path that is not clean, with // or dot segments, was
+// answered with a redirect to the cleaned path, and /tree, when the route is
+// /tree/, with a redirect to /tree/: a POST the API serves never reached
+// it.)
+//
+// The route is chosen on the cleaned path, as the mux would after its
+// redirect; the request goes upstream with the path as sent. /tree takes
+// the route of /tree/, where the mux would have sent it. A path that reads
+// as different routes by how it is cleaned or decoded (/v1/charges/../webhooks/
+// is /v1/webhooks/ cleaned, and within /v1/charges/ to an API that does not
+// clean it; /v1%2Fcharges is one segment to the mux, /v1/charges decoded)
+// is refused with 400 rather than served under one of them, so that no
+// spelling of a path takes a request out of its route's protection.
+func routes(mux *http.ServeMux, root http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodConnect { // not cleaned by the mux either
+			h, _ := mux.Handler(r)
+			if _, ok := h.(*route); !ok {
+				h = root
+			}
+			h.ServeHTTP(w, r)
+			return
+		}
+		escaped := r.URL.EscapedPath()
+		var h http.Handler
+		for i, p := range readings(escaped, r.URL.Path) {
+			got := routeOf(mux, r, p, root)
+			if i == 0 {
+				h = got
+			} else if got != h {
+				badPath.Write(w)
+				return
+			}
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// readings are the paths a request's path may be read as, escaped: as the
+// mux reads it (segments split on the escaped path), and decoded (%2F a
+// separator); each cleaned, as the mux and most servers do, and with its
+// dot segments taken literally, as a server that does not clean reads it.
+// A plain path has one reading.
+func readings(escaped, decoded string) []string {
+	if escaped == decoded && cleanPath(escaped) == escaped && !strings.Contains(escaped, "%") {
+		return []string{escaped}
+	}
+	enc := (&url.URL{Path: decoded}).EscapedPath() // %2F made a separator
+	return []string{cleanPath(escaped), cleanPath(literalDots(escaped)), cleanPath(enc), cleanPath(literalDots(enc))}
+}
+
+// literalDots escapes the dot segments of an escaped path (. and ..), so
+// that cleaning leaves them where they are.
+func literalDots(p string) string {
+	segs := strings.Split(p, "/")
+	for i, s := range segs {
+		switch s {
+		case ".":
+			segs[i] = "%2E"
+		case "..":
+			segs[i] = "%2E%2E"
+		}
+	}
+	return strings.Join(segs, "/")
+}
+
+// cleanPath is the path the mux matches: p with a leading /, cleaned, its
+// trailing / kept (net/http's cleanPath).
+func cleanPath(p string) string {
+	if p == "" {
+		return "/"
+	}
+	if p[0] != '/' {
+		p = "/" + p
+	}
+	np := path.Clean(p)
+	if p[len(p)-1] == '/' && np != "/" {
+		np += "/"
+	}
+	return np
+}
+
+// routeOf is the route of r with its path read as p (escaped and clean):
+// the handler the mux has for it, that of p/ where the mux would redirect
+// to it, or root.
+func routeOf(mux *http.ServeMux, r *http.Request, p string, root http.Handler) http.Handler {
+	for _, p := range []string{p, p + "/"} {
+		u := *r.URL
+		u.RawPath = p
+		dec, err := url.PathUnescape(p)
+		if err != nil {
+			return root
+		}
+		u.Path = dec
+		c := *r // shallow: the mux reads the method, the host and the URL
+		c.URL = &u
+		h, pattern := mux.Handler(&c)
+		if rt, ok := h.(*route); ok {
+			return rt
+		}
+		if pattern == "" || strings.HasSuffix(p, "/") {
+			break // not found or not allowed: no route of its own
+		}
+	}
+	return root
 }
 
 type accessKey struct{}

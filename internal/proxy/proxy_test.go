@@ -1,6 +1,7 @@
 package proxy_test
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -440,6 +441,124 @@ func TestRoutesAndScopes(t *testing.T) {
 	post(t, srv, "/v1/webhooks/stripe", "w", "x")
 	if r := post(t, srv, "/v1/webhooks/stripe", "w", "x"); r.body != " run 2" {
 		t.Fatalf("bypassed route was deduplicated: %q", r.body)
+	}
+}
+
+// TestRoutesDoNotRedirectWhatTheUpstreamServes: the proxy put its routes
+// in a net/http ServeMux, which answers some requests itself with a
+// redirect instead of passing them on. With the README's own route
+// "match: /v1/webhooks/ (bypass)", a POST /v1/webhooks (no slash), which
+// the API serves without the sidecar, never reached it: the proxy answered
+// 307. Without any route, a path with "//" was answered 307 too. Each is
+// passed on now, with its path as sent.
+func TestRoutesDoNotRedirectWhatTheUpstreamServes(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		seen = append(seen, r.Method+" "+r.URL.EscapedPath())
+		mu.Unlock()
+		fmt.Fprint(w, "upstream")
+	}))
+	defer up.Close()
+	eng := mustEngine(t, memstore.New())
+	for _, c := range []struct {
+		routes []proxy.Route
+		path   string
+	}{
+		{[]proxy.Route{{Match: "/v1/webhooks/", Bypass: true}}, "/v1/webhooks"},
+		{nil, "/v1/files//report.pdf"},
+		{nil, "/v1/files/./a/../report.pdf"},
+		{nil, "/v1/files/a%2Fb.pdf"},
+		{[]proxy.Route{{Match: "/v1/files/", Bypass: true}}, "/v1/files/a%2Fb.pdf"},
+	} {
+		cfg := proxy.DefaultConfig()
+		cfg.Upstream = up.URL
+		cfg.Routes = c.routes
+		h, err := proxy.Handler(cfg, eng, quiet, proxy.Hooks{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		seen = nil
+		mu.Unlock()
+		req := httptest.NewRequest("POST", c.path, strings.NewReader(`{}`))
+		req.Header.Set("Idempotency-Key", "k-"+c.path)
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		mu.Lock()
+		got := seen
+		mu.Unlock()
+		if rec.Code != 200 || rec.Body.String() != "upstream" || len(got) != 1 || got[0] != "POST "+c.path {
+			t.Errorf("routes %v: POST %s answered %d %s (Location %q), upstream saw %q; want it passed to the upstream as sent",
+				c.routes, c.path, rec.Code, strings.TrimSpace(rec.Body.String()), rec.Header().Get("Location"), got)
+		}
+	}
+}
+
+// TestNoPathEscapesItsRoute: a request is never taken out of its route's
+// protection by how its path is spelled. With /v1/charges/ covered and
+// everything else bypassed, a path that is /v1/charges/… once cleaned
+// (// in it, /v1/charges without its slash, an encoded letter) is covered:
+// a retry is replayed, not run again. A path that reads as different
+// routes by how it is cleaned or decoded (dot segments that climb out of
+// one route into another, which an API that does not clean paths reads
+// within the first; an encoded / or .) is refused with 400, never passed
+// on under the route that does not protect it.
+func TestNoPathEscapesItsRoute(t *testing.T) {
+	charges := proxy.DefaultConfig().Defaults
+	charges.Match = "/v1/charges/"
+	cfg := proxy.Config{Defaults: proxy.Route{Bypass: true}, Routes: []proxy.Route{charges, {Match: "/v1/webhooks/", Bypass: true}}}
+	up := &counter{fn: func(w http.ResponseWriter, r *http.Request, n int) {
+		fmt.Fprintf(w, "%s run %d", r.URL.EscapedPath(), n)
+	}}
+	srv := start(t, cfg, mustEngine(t, memstore.New()), up)
+	send := func(path, key string) reply {
+		t.Helper()
+		// Sent as written: a client's URL parser would clean some of these.
+		conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nIdempotency-Key: %s\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", path, key)
+		conn.SetReadDeadline(time.Now().Add(time.Minute))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return reply{status: resp.StatusCode, body: string(b), header: resp.Header}
+	}
+	for i, path := range []string{"/v1/charges/ch_1", "//v1/charges/ch_1", "/v1//charges/ch_1", "/v1/charges", "/v1/%63harges/ch_1"} {
+		key := fmt.Sprint("covered-", i)
+		first, again := send(path, key), send(path, key)
+		if first.status != 200 || first.body != path+" run 1" || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+			t.Errorf("POST %s twice: %d %q, then %d %q; want it covered: run once (with its path as sent), then replayed",
+				path, first.status, first.body, again.status, again.body)
+		}
+	}
+	for i, path := range []string{
+		"/v1/charges/../webhooks/x",     // cleaned: a webhook; as written: within /v1/charges/
+		"/v1/webhooks/../charges/ch_1",  // the other way round
+		"/v1/charges/%2E%2E/webhooks/x", // an encoded dot segment
+		"/v1%2Fcharges/ch_1",            // one segment to the mux, /v1/charges/ decoded
+		"/v1/charges%2F..%2Fwebhooks/x", // decoded, then read as written
+		"/v1/./charges/ch_1",            // covered cleaned, but not as written
+	} {
+		key := fmt.Sprint("ambiguous-", i)
+		if r := send(path, key); r.status != 400 || up.count(key) != 0 {
+			t.Errorf("POST %s: %d %q, upstream ran it %d times; want 400, not passed on", path, r.status, r.body, up.count(key))
+		}
+	}
+	// A bypassed route is still bypassed, however spelled.
+	for i, path := range []string{"/v1/webhooks/x", "//v1/webhooks/x", "/v1/webhooks"} {
+		key := fmt.Sprint("bypassed-", i)
+		send(path, key)
+		if r := send(path, key); r.status != 200 || up.count(key) != 2 {
+			t.Errorf("POST %s twice: %d %q, run %d times; want it bypassed: run twice", path, r.status, r.body, up.count(key))
+		}
 	}
 }
 

@@ -42,3 +42,46 @@ func TestErr(t *testing.T) {
 		t.Fatalf("Err(%v) = %v; want the cause alone", err, got)
 	}
 }
+
+// TestPasswordReadAsAPortIsMasked: a password with an unencoded / (or ? or
+// #) whose start reads as a port (empty, or digits: "/…", "2024/…") makes
+// url.Parse take "user:" as host:port and the rest of the password, up to
+// the @, as the path (or the query). URL showed it whole: the store's DSN in
+// every message, and the upstream in the proxy's start-up line. Such a URL
+// is shown by its scheme alone, and HiddenUserInfo says so, for the checks
+// that refuse it. An @ in the path of a URL without a port is no user-info,
+// and an encoded one (%40) never is.
+func TestPasswordReadAsAPortIsMasked(t *testing.T) {
+	for _, s := range []string{
+		"postgres://app:/hunter2@db:5432/payments",
+		"postgres://app:2024/hunter2@db:5432/payments",
+		"dynamodb://AKIAEXAMPLE:8/hunter2@127.0.0.1:8000?table=idem_records",
+		"http://svc:/hunter2@127.0.0.1:9000",
+		"redis://:/hunter2@127.0.0.1:6379/0",
+		"postgres://app:?hunter2@db/payments",
+		"postgres://app:12#hunter2@db/payments",
+		"postgres://app:12/x?hunter2@db/payments",
+		"postgres://a/pp:hunter2@db/payments", // a / in the user name
+	} {
+		if got := redact.URL(s); strings.Contains(got, "hunter2") {
+			t.Errorf("URL(%s) = %s: the password is shown", s, got)
+		}
+		if !redact.HiddenUserInfo(s) {
+			t.Errorf("HiddenUserInfo(%s) = false; want true", s)
+		}
+	}
+	for s, want := range map[string]string{
+		"http://api.example/users/@me":           "http://api.example/users/@me",
+		"http://api.example:8080/users/%40me":    "http://api.example:8080/users/%40me",
+		"http://svc:hunter2@api.example/a/@b":    "http://svc:xxxxx@api.example/a/@b",
+		"postgres://app:hunter2@db:5432/x?a=b@c": "postgres://app:xxxxx@db:5432/x?a=b@c",
+		"https://[::1]:8443/users/@me":           "https://[::1]:8443/users/@me",
+	} {
+		if redact.HiddenUserInfo(s) {
+			t.Errorf("HiddenUserInfo(%s) = true; want false", s)
+		}
+		if got := redact.URL(s); got != want {
+			t.Errorf("URL(%s) = %s; want %s", s, got, want)
+		}
+	}
+}

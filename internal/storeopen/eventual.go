@@ -41,7 +41,9 @@ const (
 // the background (one attempt at a time, each bounded by reopenTimeout). A
 // DSN that is wrong fails at once, as with Open: one that does not parse,
 // and one the server or the file system refuses for good (see
-// [misconfigured]), though its store calls it unavailable.
+// [misconfigured]), though its store calls it unavailable. (Redis's and
+// DynamoDB's clients open without a word to the server: Open reads a
+// record to learn it, see probe.)
 func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
 	first, cancel := context.WithTimeout(ctx, firstOpenTimeout)
 	opened, err := Open(first, dsn)
@@ -77,7 +79,12 @@ func OpenEventually(ctx context.Context, dsn string) (*Opened, error) {
 // would answer 503 for ever (or, with fail_open, run every request
 // unprotected). For every store: the server refused the credentials or
 // the permissions ([idem.ErrDenied]). For PostgreSQL also: the database
-// does not exist (3D000), or the schema is not valid (3F000). For SQLite,
+// does not exist (3D000), the schema is not valid (3F000), a run-time
+// parameter of the DSN is unknown to the server (42704: a mistyped option,
+// which pgx sends to the server as one) or has a value it refuses (22023),
+// or a pooler refuses it (PgBouncer's 08P01 "unsupported startup
+// parameter"; its other 08P01s, a full pool or a server it cannot reach,
+// may pass). For SQLite,
 // which has no server to wait for: anything but a lock held by another
 // process or a deadline.
 func misconfigured(kind string, err error) bool {
@@ -88,7 +95,13 @@ func misconfigured(kind string, err error) bool {
 	case "postgres":
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) {
-			return pgErr.Code == "3D000" || pgErr.Code == "3F000"
+			switch pgErr.Code {
+			case "3D000", "3F000", "42704", "22023":
+				return true
+			case "08P01":
+				return strings.HasPrefix(pgErr.Message, "unsupported startup parameter")
+			}
+			return false
 		}
 	case "sqlite":
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

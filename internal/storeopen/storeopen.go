@@ -10,7 +10,15 @@
 //	memcached://host:11211[,host:11212]?idem_prefix=idem     Memcached (it may evict records: see memcachedstore)
 //	memory:                              in memory; forgotten on exit (tests and demos)
 //
-// PostgreSQL and Redis DSNs take their drivers' own options too.
+// PostgreSQL and Redis DSNs take their drivers' own options too (PostgreSQL
+// sends one it does not know to the server, which refuses it: see
+// [OpenEventually]). A DynamoDB DSN takes region, table, create_table and
+// tls (these two true or false) and no others; a Memcached DSN idem_prefix
+// alone, and no user name or password (the client does not authenticate):
+// anything else is refused, naming the option, rather than dropped. A / ? #
+// @ : or % in a user name or password is percent-encoded; a DSN where one
+// is not is refused, as it would be read with the password in the host or
+// the path (see [redact.HiddenUserInfo]).
 package storeopen
 
 import (
@@ -22,7 +30,9 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/config"
@@ -34,6 +44,7 @@ import (
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/redact"
+	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/dynamostore"
 	"github.com/idemhq/idem/store/memcachedstore"
 	"github.com/idemhq/idem/store/memstore"
@@ -159,11 +170,20 @@ func (e *scrubbed) Unwrap() error { return e.err }
 var queryOption = regexp.MustCompile(`[?&]([^=&#]*)=([^&#]*)`)
 
 // scrub takes dsn's secrets (its password, as written and as decoded, and
-// the values of its query options that hold one) out of err's message.
+// the values of its query options that hold one) out of err's message. The
+// password is found in the DSN's text, whatever url.Parse makes of it; and
+// since an unencoded / ? or # in it ends the authority, what follows each
+// of these is taken out too: a driver names it as the database, or as an
+// option ("database=hunter2@db/x" for postgres://app:/hunter2@db/x).
 func scrub(err error, dsn string) error {
 	var secrets []string
 	if m := password.FindStringSubmatch(dsn); m != nil && m[1] != "" {
 		secrets = append(secrets, m[1])
+		for i, c := range m[1] {
+			if strings.ContainsRune("/?#", c) && i+1 < len(m[1]) {
+				secrets = append(secrets, m[1][i+1:])
+			}
+		}
 	}
 	for _, m := range queryOption.FindAllStringSubmatch(dsn, -1) {
 		if redact.SecretOption(m[1]) && m[2] != "" {
@@ -293,6 +313,10 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 		client.Close()
 		return nil, err
 	}
+	if err := probeRedis(ctx, s, client); err != nil {
+		client.Close()
+		return nil, fmt.Errorf("store %s: %w", Redact(dsn), err)
+	}
 	c := &closer{store: client.Close}
 	return &Opened{Store: s, Kind: "redis", Close: c.close, NewNotifier: func(ctx context.Context) (idem.Notifier, error) {
 		n, err := redisstore.NewNotifier(ctx, redisstore.NotifierConfig{Client: client})
@@ -303,23 +327,86 @@ func openRedis(ctx context.Context, dsn, scheme string) (*Opened, error) {
 	}}, nil
 }
 
+// probeTimeout bounds probe: a server that does not answer by then is
+// taken as not reachable yet, as before the probe.
+const probeTimeout = 3 * time.Second
+
+// probeScope and probeKey name the record probe reads, which no request
+// writes.
+const probeScope, probeKey = "idem-storeopen", "probe"
+
+// probe makes one call on a store whose client opens without talking to
+// its server (Redis, DynamoDB), so that a server that refuses the DSN for
+// good is told at once, rather than by every call for ever. It reads a
+// record with the store itself, so that its error is the store's own
+// translation: refused credentials, or permissions the store's calls need
+// (NOAUTH, WRONGPASS, NOPERM; AccessDeniedException,
+// UnrecognizedClientException…), are [idem.ErrDenied]; another answer of
+// the server that is not about reaching it (a missing DynamoDB table; AUTH
+// sent to a Redis with no password) is returned as it is. A server that
+// cannot be reached, or does not answer within probeTimeout, is no error:
+// the store opens as before, and its calls fail as unavailable until the
+// server answers.
+func probe(ctx context.Context, s idem.Store) (reached bool, err error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	_, err = s.Get(ctx, store.GetParams{Scope: probeScope, Key: probeKey, Now: time.Now()})
+	switch {
+	case err == nil || errors.Is(err, idem.ErrNotFound):
+		return true, nil
+	case errors.Is(err, idem.ErrDenied):
+		return true, fmt.Errorf("the server refuses the DSN's credentials or permissions: %w", err)
+	case errors.Is(err, idem.ErrUnavailable) || ctx.Err() != nil:
+		return false, nil
+	}
+	return true, fmt.Errorf("the server refuses the store's calls: %w", err)
+}
+
+// probeRedis is [probe] for Redis; on Redis Cluster, each master is asked
+// too (a PING): one that refuses the credentials (ACLs are each node's
+// own) is [idem.ErrDenied].
+func probeRedis(ctx context.Context, s *redisstore.Store, client redis.UniversalClient) error {
+	reached, err := probe(ctx, s)
+	cluster, ok := client.(*redis.ClusterClient)
+	if err != nil || !reached || !ok {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	err = cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		if err := c.Ping(ctx).Err(); redis.HasErrorPrefix(err, "NOAUTH") || redis.HasErrorPrefix(err, "WRONGPASS") {
+			return fmt.Errorf("master %s: %w", c.Options().Addr, store.Denied(err))
+		}
+		return nil
+	})
+	if errors.Is(err, idem.ErrDenied) {
+		return fmt.Errorf("the server refuses the DSN's credentials: %w", err)
+	}
+	return nil
+}
+
 // parseDSN parses a URL-shaped DSN. Its error never quotes the DSN, nor
 // url's error, which may hold part of a password (a password with a / in
 // it makes url read what follows the : as a port).
+//
+// A DSN whose user-info url.Parse does not read as such (see
+// [redact.HiddenUserInfo]: "postgres://app:/hunter2@db/x" is host "app:",
+// database "hunter2@db/x") is refused the same way: the driver would
+// connect elsewhere and name the password in its errors.
 func parseDSN(dsn string) (*url.URL, error) {
 	u, err := url.Parse(dsn)
-	if err == nil {
+	if err == nil && !redact.HiddenUserInfo(dsn) {
 		return u, nil
 	}
 	var uerr *url.Error
-	if _, rest, ok := strings.Cut(dsn, "://"); ok && errors.As(err, &uerr) {
+	if _, rest, ok := strings.Cut(dsn, "://"); ok && err != nil && errors.As(err, &uerr) {
 		if at := strings.LastIndex(rest, "@"); at < 0 || !strings.ContainsAny(rest[:at], "/?#") {
 			// The user-info was read as such: url's own words ("invalid
 			// port") quote no part of it.
 			return nil, fmt.Errorf("%w: store %s: %v", idem.ErrInvalid, Redact(dsn), uerr.Err)
 		}
 	}
-	return nil, fmt.Errorf("%w: store %s: not a valid URL (a / ? # @ : or %% in the user name or password must be percent-encoded)", idem.ErrInvalid, Redact(dsn))
+	return nil, fmt.Errorf("%w: store %s: not a valid URL (%s)", idem.ErrInvalid, Redact(dsn), redact.PercentEncode)
 }
 
 // Redact returns dsn fit for a message or a log line (see [redact.URL]):
@@ -339,18 +426,34 @@ func Redact(dsn string) string {
 // colon is no scheme (and may be a secret).
 func schemeOf(dsn string) string { return redact.Scheme(dsn) }
 
+// dynamoOptions are the query options of a DynamoDB DSN; the booleans
+// among them take true or false.
+var (
+	dynamoOptions  = []string{"region", "table", "create_table", "tls"}
+	dynamoBooleans = []string{"create_table", "tls"}
+)
+
 func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
 	u, err := parseDSN(dsn)
 	if err != nil {
 		return nil, err
 	}
 	q := u.Query()
+	if err := checkOptions(dsn, q, dynamoOptions, dynamoBooleans); err != nil {
+		return nil, err
+	}
+	if u.Path != "" && u.Path != "/" {
+		return nil, fmt.Errorf("%w: store %s: a DynamoDB DSN has no path: the table is ?table=NAME", idem.ErrInvalid, Redact(dsn))
+	}
 	opts := []func(*config.LoadOptions) error{config.WithLogger(awsLogger())}
 	if r := q.Get("region"); r != "" {
 		opts = append(opts, config.WithRegion(r))
 	}
 	if u.User != nil {
-		secret, _ := u.User.Password()
+		secret, ok := u.User.Password()
+		if u.User.Username() == "" || !ok || secret == "" {
+			return nil, fmt.Errorf("%w: store %s: want both an access key and its secret (dynamodb://KEY:SECRET@…), or neither for the AWS default credentials", idem.ErrInvalid, Redact(dsn))
+		}
 		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider(u.User.Username(), secret, "")))
 	}
 	cfg, err := config.LoadDefaultConfig(ctx, opts...)
@@ -379,24 +482,68 @@ func openDynamo(ctx context.Context, dsn string) (*Opened, error) {
 	if err != nil {
 		return nil, err
 	}
+	if _, err := probe(ctx, s); errors.Is(err, dynamostore.ErrTableNotFound) {
+		return nil, fmt.Errorf("%w: store %s: %w: there is no table %q where the DSN points (create it, or add create_table=true)",
+			idem.ErrInvalid, Redact(dsn), dynamostore.ErrTableNotFound, table)
+	} else if err != nil {
+		return nil, fmt.Errorf("store %s: %w", Redact(dsn), err)
+	}
 	return &Opened{Store: s, Kind: "dynamodb", Close: func() error { return nil }}, nil
 }
 
 func openMemcached(dsn string) (*Opened, error) {
-	dsn, prefix, err := takeOption(dsn, "idem_prefix")
+	u, err := parseDSN(dsn)
 	if err != nil {
 		return nil, err
 	}
-	u, err := url.Parse(dsn)
-	if err != nil || u.Host == "" {
-		return nil, fmt.Errorf("%w: store %s: want memcached://host:port[,host:port]", idem.ErrInvalid, Redact(dsn))
+	if err := checkOptions(dsn, u.Query(), []string{"idem_prefix"}, nil); err != nil {
+		return nil, err
+	}
+	if u.User != nil {
+		// The client never authenticates: the credentials would be
+		// dropped without a word, and the server used without them.
+		return nil, fmt.Errorf("%w: store %s: a Memcached DSN takes no user name or password: the client does not authenticate (no SASL); secure the server by its network", idem.ErrInvalid, Redact(dsn))
+	}
+	if u.Host == "" || u.Path != "" && u.Path != "/" {
+		return nil, fmt.Errorf("%w: store %s: want memcached://host:port[,host:port][?idem_prefix=NAME]", idem.ErrInvalid, Redact(dsn))
 	}
 	servers := strings.Split(u.Host, ",")
 	client := memcache.New(servers...)
 	client.MaxIdleConns = 64
-	s, err := memcachedstore.New(memcachedstore.Config{Client: client, Servers: servers, Prefix: prefix})
+	s, err := memcachedstore.New(memcachedstore.Config{Client: client, Servers: servers, Prefix: u.Query().Get("idem_prefix")})
 	if err != nil {
 		return nil, err
 	}
 	return &Opened{Store: s, Kind: "memcached", Close: client.Close}, nil
+}
+
+// checkOptions refuses a query option of dsn that is not one of known (a
+// mistyped one would be dropped without a word: tabel=… keeps the records
+// in the default table, which another deployment may use), one given twice
+// or empty, and a boolean one whose value is not true or false. The error
+// names the option, and shows its value only as [Redact] does (never the
+// value of an option whose name says it holds a secret).
+func checkOptions(dsn string, q url.Values, known, booleans []string) error {
+	names := make([]string, 0, len(q))
+	for name := range q {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	bad := func(name, why string) error {
+		return fmt.Errorf("%w: store %s: option %q %s", idem.ErrInvalid, Redact(dsn), name, why)
+	}
+	for _, name := range names {
+		v := q[name]
+		switch {
+		case !slices.Contains(known, name):
+			return bad(name, fmt.Sprintf("is not one of this store's (%s)", strings.Join(known, ", ")))
+		case len(v) > 1:
+			return bad(name, "is given more than once")
+		case v[0] == "":
+			return bad(name, "is empty: leave it out for the default")
+		case slices.Contains(booleans, name) && v[0] != "true" && v[0] != "false":
+			return bad(name, "wants true or false")
+		}
+	}
+	return nil
 }

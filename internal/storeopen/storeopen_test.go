@@ -8,9 +8,13 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemhq/idem"
 	"github.com/idemhq/idem/internal/faultnet"
@@ -358,5 +362,273 @@ func TestStoreWithNoKindIsNotShown(t *testing.T) {
 	_, err := storeopen.Open(context.Background(), "data/idem.db")
 	if want := `store "data/idem.db" names no kind: a SQLite file is sqlite:data/idem.db`; err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("a file path: %v; want %q", err, want)
+	}
+}
+
+// TestOpenEventuallyRefusesRedisCredentialsAtOnce: a DSN whose credentials
+// the server refuses fails at once, for every store. A Redis (and Redis
+// Cluster) DSN with a user and password the server refuses opened without
+// error (the client never talked to the server): idem proxy started, and
+// answered 503 to every keyed request for ever. A server that is down is
+// still waited for.
+func TestOpenEventuallyRefusesRedisCredentialsAtOnce(t *testing.T) {
+	for _, c := range []struct {
+		name, env string
+		dsn       func(server string) string
+	}{
+		{"redis", "IDEM_TEST_REDIS_URL", func(server string) string {
+			u, err := url.Parse(server)
+			if err != nil {
+				t.Fatal(err)
+			}
+			u.User = url.UserPassword("idem_no_such_user", "wrong-secret")
+			return u.String()
+		}},
+		{"redis-cluster", "IDEM_TEST_REDIS_CLUSTER_ADDRS", func(addrs string) string {
+			first, rest, _ := strings.Cut(addrs, ",")
+			dsn := "redis+cluster://idem_no_such_user:wrong-secret@" + first
+			if rest != "" {
+				dsn += "?addr=" + strings.ReplaceAll(rest, ",", "&addr=")
+			}
+			return dsn
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dsn := c.dsn(testkit.Server(t, c.env))
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			o, err := storeopen.OpenEventually(ctx, dsn)
+			if err == nil {
+				o.Close()
+				t.Fatalf("OpenEventually(%s) started; want it to fail at once with ErrDenied, as for PostgreSQL", storeopen.Redact(dsn))
+			}
+			if !errors.Is(err, idem.ErrDenied) || strings.Contains(err.Error(), "wrong-secret") {
+				t.Errorf("OpenEventually(%s) = %v; want ErrDenied, without the password", storeopen.Redact(dsn), err)
+			}
+		})
+	}
+	// A Redis that is down is still waited for: the store opens, and its
+	// calls fail as unavailable.
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := closed.Addr().String()
+	closed.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, dsn := range []string{"redis://u:p@" + down + "/0", "redis+cluster://u:p@" + down} {
+		o, err := storeopen.OpenEventually(ctx, dsn)
+		if err != nil {
+			t.Errorf("OpenEventually(%s) with the server down: %v; want a store that opens eventually", dsn, err)
+			continue
+		}
+		if _, err := o.Store.Get(ctx, store.GetParams{Key: "k", Now: time.Now()}); !errors.Is(err, idem.ErrUnavailable) {
+			t.Errorf("a call on %s with the server down: %v; want ErrUnavailable", dsn, err)
+		}
+		o.Close()
+	}
+}
+
+// TestOpenRefusesAClusterMasterThatRefusesTheCredentials: a Redis Cluster
+// keeps its ACLs node by node; a master that refuses the DSN's user
+// refuses every call on the records in its slots. Each master in turn is
+// the only one that knows the user (the one the client loads the slots
+// from): whichever master holds the record the opening reads, the open is
+// refused, naming ErrDenied.
+func TestOpenRefusesAClusterMasterThatRefusesTheCredentials(t *testing.T) {
+	addrs := strings.Split(testkit.Server(t, "IDEM_TEST_REDIS_CLUSTER_ADDRS"), ",")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	admin := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs})
+	defer admin.Close()
+	var mu sync.Mutex // ForEachMaster asks the masters at once
+	var masters []string
+	if err := admin.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		mu.Lock()
+		defer mu.Unlock()
+		masters = append(masters, c.Options().Addr)
+		return nil
+	}); err != nil || len(masters) < 2 {
+		t.Fatalf("the cluster's masters: %v, %v; want at least 2", masters, err)
+	}
+	user := "idem_storeopen_" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	deleteUser := func() {
+		for _, m := range masters {
+			c := redis.NewClient(&redis.Options{Addr: m})
+			c.Do(context.Background(), "ACL", "DELUSER", user)
+			c.Close()
+		}
+	}
+	t.Cleanup(deleteUser)
+	for _, only := range masters {
+		deleteUser()
+		c := redis.NewClient(&redis.Options{Addr: only})
+		err := c.Do(ctx, "ACL", "SETUSER", user, "on", ">s3cr3t-pw", "~*", "&*", "+@all").Err()
+		c.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		dsn := "redis+cluster://" + user + ":s3cr3t-pw@" + only
+		o, err := storeopen.OpenEventually(ctx, dsn)
+		if err == nil {
+			o.Close()
+			t.Errorf("OpenEventually(%s) with the user known to %s alone started; want ErrDenied", storeopen.Redact(dsn), only)
+		} else if !errors.Is(err, idem.ErrDenied) || strings.Contains(err.Error(), "s3cr3t-pw") {
+			t.Errorf("OpenEventually(%s) with the user known to %s alone: %v; want ErrDenied, without the password", storeopen.Redact(dsn), only, err)
+		}
+	}
+	// Known to every master, the user opens the store.
+	for _, m := range masters {
+		c := redis.NewClient(&redis.Options{Addr: m})
+		err := c.Do(ctx, "ACL", "SETUSER", user, "on", ">s3cr3t-pw", "~*", "&*", "+@all").Err()
+		c.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	o, err := storeopen.OpenEventually(ctx, "redis+cluster://"+user+":s3cr3t-pw@"+masters[0])
+	if err != nil {
+		t.Fatalf("the user known to every master: %v", err)
+	}
+	o.Close()
+}
+
+// TestPasswordWithASlashStaysOutOfErrorsAndRedact: a password with an
+// unencoded / (or ?) whose start reads as a port ("/…", "2024/…": base64
+// and AWS secrets hold a /) made url.Parse read the DSN as host:port, with
+// the rest of the password in the path. Redact showed it whole, and the
+// driver's error named the "database" that held it; OpenEventually then
+// started the proxy (the "host", the user name, does not resolve), which
+// logged that error and served it on /readyz. Such a DSN is refused now,
+// before any driver sees it, as one that does not parse is.
+func TestPasswordWithASlashStaysOutOfErrorsAndRedact(t *testing.T) {
+	for _, dsn := range []string{
+		"postgres://app.invalid:/hunter2@127.0.0.1:5432/test",
+		"postgres://app.invalid:2024/hunter2@127.0.0.1:5432/test",
+		"postgres://app.invalid:?hunter2@127.0.0.1:5432/test",
+		"redis://:/hunter2@127.0.0.1:6379/0",
+		"redis+cluster://default:/hunter2@127.0.0.1:7000",
+		"dynamodb://AKIA:8/hunter2@127.0.0.1:8765?table=idem_records",
+		"memcached://app:/hunter2@127.0.0.1:11211",
+	} {
+		if r := storeopen.Redact(dsn); strings.Contains(r, "hunter2") {
+			t.Errorf("Redact(%s) = %s: the password is shown", dsn, r)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if _, err := storeopen.Open(ctx, dsn); !errors.Is(err, idem.ErrInvalid) || strings.Contains(err.Error(), "hunter2") ||
+			!strings.Contains(err.Error(), "percent-encoded") {
+			t.Errorf("Open(%s): %v; want ErrInvalid asking for the password percent-encoded, without it", dsn, err)
+		}
+		if o, err := storeopen.OpenEventually(ctx, dsn); err == nil {
+			o.Close()
+			t.Errorf("OpenEventually(%s) started; want it refused at once", dsn)
+		} else if strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("OpenEventually(%s): %v shows the password", dsn, err)
+		}
+		cancel()
+	}
+	// Percent-encoded, the same password is read as one.
+	if got, want := storeopen.Redact("postgres://app:%2Fhunter2@127.0.0.1:5432/test"), "postgres://app:xxxxx@127.0.0.1:5432/test"; got != want {
+		t.Errorf("Redact of the encoded password = %s; want %s", got, want)
+	}
+}
+
+// TestUnknownDSNOptionsAreRefused: a mistyped option of a DynamoDB or
+// Memcached DSN was dropped without a word (Redis's driver refuses one:
+// "redis: unexpected option"). tabel=… put the records in the default
+// table idem_records, which another deployment may use; idem_prefx=… put
+// them under the default prefix idem, shared with every other deployment
+// on the server; create_table=1 created nothing; memcached credentials
+// were never sent. Each is refused, naming the option.
+func TestUnknownDSNOptionsAreRefused(t *testing.T) {
+	for dsn, want := range map[string]string{
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?tabel=idem_staging&region=us-east-1":                   `option "tabel" is not one of this store's`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?table=idem_staging&create_table=1&region=us-east-1":    `option "create_table" wants true or false`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?table=idem_staging&tls=yes&region=us-east-1":           `option "tls" wants true or false`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?table=a&table=b&region=us-east-1":                      `option "table" is given more than once`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?table=&region=us-east-1":                               `option "table" is empty`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765/idem_staging?region=us-east-1":                         "the table is ?table=NAME",
+		"dynamodb://KEY@127.0.0.1:8765?region=us-east-1":                                             "want both an access key and its secret",
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?region=us-east-1&aws_secret=s3cr3t":                    `option "aws_secret" is not one of this store's`,
+		"memcached://127.0.0.1:11211?idem_prefx=staging":                                             `option "idem_prefx" is not one of this store's`,
+		"memcached://app:s3cr3t@127.0.0.1:11211":                                                     "takes no user name or password",
+		"memcached://127.0.0.1:11211/staging":                                                        "want memcached://host:port",
+		"memcached://127.0.0.1:11211?idem_prefix=a&idem_prefix=b":                                    `option "idem_prefix" is given more than once`,
+		"dynamodb://KEY:s3cr3t@127.0.0.1:8765?table=idem_staging&create_table=TRUE&region=us-east-1": `option "create_table" wants true or false`,
+		"memcached://127.0.0.1:11211,127.0.0.1:11212?idem_prefix=staging":                            "",
+	} {
+		o, err := storeopen.Open(context.Background(), dsn)
+		if want == "" {
+			if err != nil {
+				t.Errorf("Open(%s) = %v; want it to open", dsn, err)
+			} else {
+				o.Close()
+			}
+			continue
+		}
+		if err == nil {
+			o.Close()
+			t.Errorf("Open(%s) succeeded; want ErrInvalid: %s", dsn, want)
+		} else if !errors.Is(err, idem.ErrInvalid) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "s3cr3t") {
+			t.Errorf("Open(%s) = %v; want ErrInvalid: %s, without the secret", dsn, err, want)
+		}
+	}
+}
+
+// TestOpenRefusesAMissingDynamoTable: a DynamoDB DSN naming a table that
+// is not there (a typo in table=, or create_table left out) opened, and
+// every call failed. It is refused at open now, naming the table; with
+// create_table=true, or once the table is there, it opens.
+func TestOpenRefusesAMissingDynamoTable(t *testing.T) {
+	addr := strings.TrimPrefix(testkit.Server(t, "IDEM_TEST_DYNAMODB_URL"), "http://")
+	table := "idem_storeopen_" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	dsn := "dynamodb://local:s3cr3t@" + addr + "?region=us-east-1&table=" + table
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, open := range []func(context.Context, string) (*storeopen.Opened, error){storeopen.Open, storeopen.OpenEventually} {
+		o, err := open(ctx, dsn+"&create_table=false")
+		if err == nil {
+			o.Close()
+			t.Fatalf("a missing table: opened; want it refused")
+		}
+		if !errors.Is(err, idem.ErrInvalid) || !strings.Contains(err.Error(), `no table "`+table+`"`) || strings.Contains(err.Error(), "s3cr3t") {
+			t.Errorf("a missing table: %v; want ErrInvalid naming it, without the secret", err)
+		}
+	}
+	for _, dsn := range []string{dsn + "&create_table=true", dsn} {
+		o, err := storeopen.OpenEventually(ctx, dsn)
+		if err != nil {
+			t.Fatalf("OpenEventually(%s): %v", storeopen.Redact(dsn), err)
+		}
+		o.Close()
+	}
+}
+
+// TestOpenEventuallyRefusesAnOptionThePostgresServerRefuses: a PostgreSQL
+// DSN with an option the server refuses for good (a mistyped idem_schema,
+// which pgx sends as a run-time parameter: FATAL 42704; a value a
+// parameter does not take: 22023) started the proxy answering 503 for
+// ever, as a missing database did before it was refused at start.
+func TestOpenEventuallyRefusesAnOptionThePostgresServerRefuses(t *testing.T) {
+	pg := testkit.Server(t, "IDEM_TEST_DATABASE_URL")
+	for name, value := range map[string]string{"idem_schem": "payments", "statement_timeout": "soon"} {
+		u, err := url.Parse(pg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := u.Query()
+		q.Set(name, value)
+		u.RawQuery = q.Encode()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		o, err := storeopen.OpenEventually(ctx, u.String())
+		if err == nil {
+			_, gerr := o.Store.Get(ctx, store.GetParams{Key: "k", Now: time.Now()})
+			o.Close()
+			t.Errorf("OpenEventually(%s) started (its calls: %v); want it to fail at once", u.Redacted(), gerr)
+		} else if !strings.Contains(err.Error(), name) {
+			t.Errorf("OpenEventually(%s) = %v; want the server's refusal, naming %s", u.Redacted(), err, name)
+		}
+		cancel()
 	}
 }

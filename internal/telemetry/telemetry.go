@@ -14,8 +14,9 @@
 // OTEL_TRACES_EXPORTER unset or "otlp"; OTEL_SERVICE_NAME names the
 // service). Then each request is a span, each store operation a child span.
 // An endpoint variable that is set must be an http:// or https:// URL with
-// a host (a / ? # @ : or % in its password percent-encoded): [New] refuses
-// it otherwise, naming the variable, never its password. [SetLogger] sends
+// a host (a / ? # @ : or % in its password percent-encoded, and so an @ in
+// the path of one with a port): [New] refuses it otherwise, naming the
+// variable, never its password. [SetLogger] sends
 // the OpenTelemetry SDK's own log lines to the process's logger.
 package telemetry
 
@@ -137,9 +138,8 @@ func checkEndpoint(name, v string) error {
 		return nil
 	}
 	u, err := url.Parse(v)
-	if err != nil {
-		return fmt.Errorf("%w: $%s: %s is not a valid URL (a / ? # @ : or %% in the user name or password must be percent-encoded)",
-			idem.ErrInvalid, name, redact.URL(v))
+	if err != nil || redact.HiddenUserInfo(v) { // a password read as a port and a path: see redact.HiddenUserInfo
+		return fmt.Errorf("%w: $%s: %s is not a valid URL (%s)", idem.ErrInvalid, name, redact.URL(v), redact.PercentEncode)
 	}
 	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return fmt.Errorf("%w: $%s: %s: want an http:// or https:// URL with a host (OTLP/HTTP), such as http://collector:4318",

@@ -246,11 +246,15 @@ func checkJSONLines(t *testing.T, log string, secrets ...string) {
 
 // TestAnUnparsableEndpointIsRefused: an endpoint whose password has a / in
 // it is refused, by the name of its variable, and neither the error nor a
-// log line shows the password. (The SDK logged the whole URL, then sent the
+// log line shows the password: one url.Parse refuses, and one whose start
+// url.Parse reads as a port (it was accepted, the password in the path). (The SDK logged the whole URL, then sent the
 // traces to https://localhost:4318.)
 func TestAnUnparsableEndpointIsRefused(t *testing.T) {
 	for _, name := range []string{"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"} {
-		for _, value := range []string{badEndpoint, "collector:4318", "http:///v1/traces"} {
+		for _, value := range []string{badEndpoint, "collector:4318", "http:///v1/traces",
+			// A password whose start reads as a port: url.Parse succeeds,
+			// with the host "collector:" and the rest in the path.
+			"http://collector:/pa-S3CRET@127.0.0.1:4318", "http://collector:2024/S3CRET@127.0.0.1:4318"} {
 			t.Run(name+"="+value, func(t *testing.T) {
 				log := jsonLog(t)
 				tel, err := telemetry.New(context.Background(), envOf(map[string]string{name: value}))
