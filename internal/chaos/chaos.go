@@ -11,7 +11,9 @@
 //   - every outcome a client saw is replayed byte-identical on retry (no
 //     lost outcome), and duplicates saw one outcome;
 //   - nothing acknowledged without an execution (every answer a client saw
-//     names an execution the upstream performed, with those very bytes);
+//     names an execution the upstream performed, with those very bytes and
+//     that status, of the very request the client sent: its method, path
+//     and body);
 //
 // and, as figures: operations, requests, faults injected, UNKNOWN records
 // left once the reconciler has run, and the time to recover from the outage.
@@ -29,6 +31,8 @@ package chaos
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -397,7 +401,13 @@ func (r *runner) send(ctx context.Context, base string, o op) (seen, error) {
 	if err != nil {
 		return seen{}, err
 	}
-	req.Header.Set("Idempotency-Key", o.key)
+	// The key goes under a lower-case name: the same field on the wire
+	// (field names are case-insensitive), but net/http's transport, whose
+	// check is case-sensitive, then does not take the POST for replayable
+	// and never sends it again by itself when a kept-alive connection
+	// breaks. Every resend is the suite's own (do, through a proxy picked at
+	// random), and counted in Requests.
+	req.Header["idempotency-key"] = []string{o.key}
 	req.Header.Set("Authorization", authorization)
 	if o.body != nil {
 		req.Header.Set("Content-Type", "application/json")
@@ -697,11 +707,12 @@ func (r *runner) checkOutcomes(stored func(op) (idem.Record, error), replay func
 			}
 		}
 		var a answer
-		runs := r.up.executions(key)
-		if err := json.Unmarshal(first.body, &a); err != nil || len(runs) == 0 || !containsExec(runs, a.Exec, first.body) {
-			r.violation(&r.report.AckedUnexecuted, "key %s: the client saw %d %s, which no execution at the upstream answered", key, first.status, first.body)
-		}
 		o := r.opOf(key)
+		runs := r.up.executions(key)
+		if err := json.Unmarshal(first.body, &a); err != nil || !answeredBy(runs, o, a.Exec, first) {
+			r.violation(&r.report.AckedUnexecuted, "key %s: the client saw %d %s for %s %s (body sha256 %s), which no execution at the upstream answered (its executions: %s)",
+				key, first.status, first.body, o.method, o.path, bodySHA(o.body), describeRuns(runs))
+		}
 		rec, err := stored(o)
 		if err != nil || rec.State != idem.StateCompleted || rec.Response == nil || rec.Response.BodyOmitted ||
 			rec.Response.Status != first.status || !bytes.Equal(rec.Response.Body, first.body) || rec.Response.Header.Get("Content-Type") != first.contentType {
@@ -758,13 +769,39 @@ func (r *runner) opOf(key string) op {
 	return r.ops[key]
 }
 
-func containsExec(runs []execution, id int64, body []byte) bool {
+// answeredBy reports whether the execution id, among runs, is what the
+// client of o was given in saw: that execution ran o's very request (its
+// method, path and body, as the upstream received them) and answered saw's
+// status and bytes. An answer of an execution that ran another request (a
+// body lost on the way) or answered another status acknowledges an
+// operation that never ran as the client asked.
+func answeredBy(runs []execution, o op, id int64, saw seen) bool {
 	for _, e := range runs {
-		if e.ID == id && bytes.Equal(e.Body, body) {
+		if e.ID == id && bytes.Equal(e.Body, saw.body) && e.Status == saw.status &&
+			e.Method == o.method && e.Path == o.path && e.BodySHA == bodySHA(o.body) {
 			return true
 		}
 	}
 	return false
+}
+
+// bodySHA is the hex SHA-256 of a request body, as the upstream records it
+// (a bodyless request's is that of no bytes).
+func bodySHA(body []byte) string {
+	sum := sha256.Sum256(body)
+	return hex.EncodeToString(sum[:])
+}
+
+// describeRuns lists executions for a violation.
+func describeRuns(runs []execution) string {
+	if len(runs) == 0 {
+		return "none"
+	}
+	parts := make([]string, len(runs))
+	for i, e := range runs {
+		parts[i] = fmt.Sprintf("#%d %s %s body sha256 %s answered %d", e.ID, e.Method, e.Path, e.BodySHA, e.Status)
+	}
+	return strings.Join(parts, "; ")
 }
 
 // proc is a process of the idem binary, restarted on demand, its output

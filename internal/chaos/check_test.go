@@ -2,7 +2,9 @@ package chaos
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -12,6 +14,7 @@ import (
 	"time"
 
 	"github.com/idemhq/idem"
+	"github.com/idemhq/idem/internal/faultnet"
 	"github.com/idemhq/idem/internal/wait"
 	"github.com/idemhq/idem/store"
 	"github.com/idemhq/idem/store/memstore"
@@ -91,6 +94,137 @@ func (s *losing) Get(ctx context.Context, p store.GetParams) (idem.Record, error
 	return s.Store.Get(ctx, p)
 }
 
+// keepAndSee stores saw as key's outcome, as its owner would, and records
+// it as what the client was given (with the engine's Idempotency-Expires).
+func keepAndSee(t *testing.T, eng *idem.Engine, r *runner, o op, saw seen) {
+	t.Helper()
+	ctx := context.Background()
+	out, err := eng.Begin(ctx, idem.BeginParams{Scope: scope, Key: o.key,
+		Fingerprint: idem.NewFingerprint(idem.Payload{Method: o.method, Path: o.path, Body: o.body})})
+	if err != nil || out.Decision != idem.Execute {
+		t.Fatalf("begin %s: %v, %v", o.key, out.Decision, err)
+	}
+	resp := &idem.Response{Status: saw.status, Header: http.Header{"Content-Type": {saw.contentType}}, Body: saw.body}
+	if err := eng.Complete(ctx, out.Lease, resp); err != nil {
+		t.Fatal(err)
+	}
+	saw.expiry = resp.Header.Get(idem.HeaderExpires)
+	r.seen[o.key] = append(r.seen[o.key], saw)
+}
+
+func checkAgainst(ctx context.Context, r *runner, eng *idem.Engine) {
+	r.checkOutcomes(func(o op) (idem.Record, error) { return storedRecord(ctx, eng, o.key) },
+		func(o op) (seen, error) { // a faithful replay of what the store holds
+			rec, err := storedRecord(ctx, eng, o.key)
+			if err != nil {
+				return seen{}, err
+			}
+			return seen{status: rec.Response.Status, body: rec.Response.Body, contentType: rec.Response.Header.Get("Content-Type"),
+				expiry: rec.Response.Header.Get(idem.HeaderExpires), replayed: true}, nil
+		})
+}
+
+// The client's charge was acknowledged by an execution of another request:
+// the proxy forwarded it without its body (a charge with no amount ran),
+// and its answer was stored and given to the client. The operation the
+// client asked for never ran: acknowledged without execution.
+func TestAckedByAnotherRequestsExecution(t *testing.T) {
+	ctx := context.Background()
+	eng, err := idem.New(idem.Config{Store: memstore.New(), CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newTestRunner(1)
+	o := op{key: "op-0000001-deadbeef", method: "POST", path: "/v1/charges", body: []byte(`{"amount":100,"currency":"eur","customer":"cus_1"}`)}
+	r.ops[o.key] = o
+	forwarded := o
+	forwarded.body = nil // what reached the upstream: the body lost on the way
+	saw := execute(t, r.up, forwarded)
+	keepAndSee(t, eng, r, o, saw)
+	r.report.Executions = r.up.total()
+	r.checkExecutions()
+	checkAgainst(ctx, r, eng)
+	if r.report.OK() {
+		t.Fatalf("the only execution of %s ran another request (no body; the client sent %s), yet the checker finds nothing: %s", o.key, o.body, &r.report)
+	}
+}
+
+// A declined charge (402 at the upstream) told to the client, stored and
+// replayed as a success (201): no execution answered 201.
+func TestAckedWithAnotherStatus(t *testing.T) {
+	ctx := context.Background()
+	eng, err := idem.New(idem.Config{Store: memstore.New(), CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newTestRunner(1)
+	o := op{key: "op-0000007-deadbeef7", method: "POST", path: "/v1/charges/ch_7/capture"}
+	r.ops[o.key] = o
+	saw := execute(t, r.up, o)
+	if saw.status != http.StatusPaymentRequired {
+		t.Fatalf("want the upstream to decline %s, got %d", o.key, saw.status)
+	}
+	saw.status = http.StatusCreated // what the client was told, and what was stored
+	keepAndSee(t, eng, r, o, saw)
+	r.report.Executions = r.up.total()
+	r.checkExecutions()
+	checkAgainst(ctx, r, eng)
+	if r.report.OK() {
+		t.Fatalf("the upstream declined %s (402) but the client was told 201, yet the checker finds nothing: %s", o.key, &r.report)
+	}
+}
+
+// What the upstream answered, given to the client as it was (a bodied
+// charge, a bodyless capture it declined, and an outcome the reconciler
+// learnt from /resolve), is answered by an execution: the checker finds
+// nothing.
+func TestFaithfulOutcomesPassTheExecutionCheck(t *testing.T) {
+	ctx := context.Background()
+	eng, err := idem.New(idem.Config{Store: memstore.New(), CacheSize: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newTestRunner(3)
+	charge := op{key: "op-0000001-deadbeef", method: "POST", path: "/v1/charges", body: []byte(`{"amount":100,"currency":"eur","customer":"cus_1"}`)}
+	declined := op{key: "op-0000007-deadbeef7", method: "POST", path: "/v1/charges/ch_7/capture"}
+	resolved := op{key: "op-0000002-deadbeef", method: "POST", path: "/v1/charges/ch_2/capture"}
+	for _, o := range []op{charge, declined, resolved} {
+		r.ops[o.key] = o
+		saw := execute(t, r.up, o)
+		if o.key == resolved.key { // the reply was lost: the reconciler asks the upstream
+			saw = resolve(t, r.up, o.key)
+		}
+		keepAndSee(t, eng, r, o, saw)
+	}
+	if got := r.seen[declined.key][0].status; got != http.StatusPaymentRequired {
+		t.Fatalf("want the upstream to decline %s, got %d", declined.key, got)
+	}
+	r.report.Executions = r.up.total()
+	r.checkExecutions()
+	checkAgainst(ctx, r, eng)
+	if !r.report.OK() {
+		t.Fatalf("want no violation for outcomes given as the upstream answered them; got %s", &r.report)
+	}
+}
+
+// resolve asks the upstream what became of key, as the reconciler does, and
+// returns the outcome it would store.
+func resolve(t *testing.T, up *upstream, key string) seen {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	up.ServeHTTP(rec, httptest.NewRequest("POST", "/resolve", strings.NewReader(`{"key":"`+key+`"}`)))
+	var got struct {
+		Outcome string              `json:"outcome"`
+		Status  int                 `json:"status"`
+		Header  map[string][]string `json:"header"`
+		Body    string              `json:"body"`
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil || got.Outcome != "completed" {
+		t.Fatalf("resolve %s: %s (%v)", key, rec.Body, err)
+	}
+	return seen{status: got.Status, body: []byte(got.Body), contentType: http.Header(got.Header).Get("Content-Type")}
+}
+
 // An execution still running at the upstream when the proxies stop is
 // counted: quiesce waits until the upstream has finished it.
 func TestLateExecutionIsCounted(t *testing.T) {
@@ -137,6 +271,66 @@ func TestLateExecutionIsCounted(t *testing.T) {
 	r.checkExecutions()
 	if r.report.Executions != 2 || r.report.DoubleExecutions != 1 || r.report.Miscounted != 1 {
 		t.Fatalf("want 2 executions of one operation, counted as a double execution and a miscount; got %s", &r.report)
+	}
+}
+
+// The suite's clients see every reply the fault proxy drops between them
+// and a proxy, and retry it themselves (through a proxy picked at random,
+// after a pause, counted in Requests). Here a reply is dropped on a
+// kept-alive connection of the suite's own client.
+func TestClientSeesTheReplyLost(t *testing.T) {
+	var got atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		got.Add(1)
+		io.Copy(io.Discard, req.Body)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		w.Write([]byte(`{}`))
+	}))
+	defer srv.Close()
+	f, err := faultnet.Listen(srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	r := newTestRunner(1)
+	r.client = &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 48}} // as start makes it
+	o := op{key: "op-0000001-deadbeef", method: "POST", path: "/v1/charges", body: []byte(`{"amount":100}`)}
+	if _, err := r.send(context.Background(), "http://"+f.Addr(), o); err != nil { // the connection is now kept alive
+		t.Fatal(err)
+	}
+	f.DropNextReply()
+	res, err := r.send(context.Background(), "http://"+f.Addr(), o)
+	if err == nil {
+		t.Fatalf("the reply was dropped (%+v), yet the suite's client got %d and no error: net/http sent the request again by itself (the server got it %d times in all, the suite counted %d requests)",
+			f.Stats(), res.status, got.Load(), r.requests.Load())
+	}
+}
+
+// The same for a request cut on a kept-alive connection: one send of the
+// suite, two requests cut (net/http sent it again by itself on a new
+// connection, which was cut too).
+func TestClientSeesTheRequestCut(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		io.Copy(io.Discard, req.Body)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	defer srv.Close()
+	f, err := faultnet.Listen(srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	r := newTestRunner(1)
+	r.client = &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 48}}
+	o := op{key: "op-0000001-deadbeef", method: "POST", path: "/v1/charges", body: []byte(`{"amount":100}`)}
+	if _, err := r.send(context.Background(), "http://"+f.Addr(), o); err != nil {
+		t.Fatal(err)
+	}
+	f.SetFaults(faultnet.Faults{DropRequest: 1})
+	r.send(context.Background(), "http://"+f.Addr(), o)
+	if s := f.Stats(); s.RequestsDropped != 1 {
+		t.Fatalf("one send of the suite's client, %d requests cut (%+v): net/http resent the cut request by itself", s.RequestsDropped, s)
 	}
 }
 

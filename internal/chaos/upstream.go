@@ -16,11 +16,12 @@ import (
 
 // execution is one run of a request at the upstream: a side effect.
 type execution struct {
-	ID     int64
-	Method string
-	Path   string
-	Status int
-	Body   []byte // the response it sent
+	ID      int64
+	Method  string
+	Path    string
+	BodySHA string // hex SHA-256 of the request body as the upstream read it
+	Status  int
+	Body    []byte // the response it sent
 }
 
 // upstream is the API behind the proxies: it numbers every request it runs
@@ -125,7 +126,7 @@ func (u *upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	u.next++
 	a := answer{Key: key, Exec: u.next, Method: r.Method, BodySHA: hex.EncodeToString(sum[:])}
 	out, _ := json.Marshal(a)
-	u.runs[key] = append(u.runs[key], execution{ID: a.Exec, Method: r.Method, Path: r.URL.Path, Status: status, Body: out})
+	u.runs[key] = append(u.runs[key], execution{ID: a.Exec, Method: r.Method, Path: r.URL.Path, BodySHA: a.BodySHA, Status: status, Body: out})
 	u.mu.Unlock()
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)

@@ -41,6 +41,9 @@ type Stats struct {
 	RepliesDropped, RequestsDropped int64
 	// Held counts the chunks waiting, right now, for a pause to end.
 	Held int64
+	// Dialing counts the connections accepted whose dial to the target is
+	// under way, right now.
+	Dialing int64
 }
 
 // Proxy forwards TCP connections from its own address to a target address.
@@ -56,8 +59,8 @@ type Proxy struct {
 	rng       *mrand.Rand
 	closed    bool
 
-	accepted, refused, cut, repliesDropped, requestsDropped, held atomic.Int64
-	wg                                                            sync.WaitGroup
+	accepted, refused, cut, repliesDropped, requestsDropped, held, dialing atomic.Int64
+	wg                                                                     sync.WaitGroup
 }
 
 // link is one proxied connection: client side and server side.
@@ -140,8 +143,9 @@ func (p *Proxy) CutAll() int {
 	return n
 }
 
-// Outage makes the target unreachable: open connections are cut and new
-// ones refused until the returned function is called.
+// Outage makes the target unreachable: open connections are cut, and new
+// ones refused until the returned function is called, those accepted before
+// it whose dial to the target was still under way included.
 func (p *Proxy) Outage() (end func()) {
 	p.mu.Lock()
 	p.faults.Refuse = true
@@ -177,7 +181,7 @@ func (p *Proxy) Pause() (resume func()) {
 // Stats returns the counts so far.
 func (p *Proxy) Stats() Stats {
 	return Stats{Accepted: p.accepted.Load(), Refused: p.refused.Load(), Cut: p.cut.Load(),
-		RepliesDropped: p.repliesDropped.Load(), RequestsDropped: p.requestsDropped.Load(), Held: p.held.Load()}
+		RepliesDropped: p.repliesDropped.Load(), RequestsDropped: p.requestsDropped.Load(), Held: p.held.Load(), Dialing: p.dialing.Load()}
 }
 
 // Close stops listening and cuts every connection.
@@ -202,11 +206,7 @@ func (p *Proxy) accept() {
 		refuse := p.faults.Refuse || p.closed
 		p.mu.Unlock()
 		if refuse {
-			p.refused.Add(1)
-			if tc, ok := c.(*net.TCPConn); ok {
-				tc.SetLinger(0) // a reset, as a closed port gives
-			}
-			c.Close()
+			p.refuse(c)
 			continue
 		}
 		p.wg.Add(1)
@@ -214,24 +214,41 @@ func (p *Proxy) accept() {
 	}
 }
 
+// refuse closes a client's connection with a reset, as a closed port does,
+// and counts it refused.
+func (p *Proxy) refuse(c net.Conn) {
+	p.refused.Add(1)
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	c.Close()
+}
+
 func (p *Proxy) serve(client net.Conn) {
 	defer p.wg.Done()
+	p.dialing.Add(1)
 	server, err := net.DialTimeout("tcp", p.target, 5*time.Second)
+	p.dialing.Add(-1)
 	if err != nil {
 		p.refused.Add(1)
 		client.Close()
 		return
 	}
-	p.accepted.Add(1)
 	l := &link{client: client, server: server}
+	// An outage (or Close) that began while the dial was under way found no
+	// link to cut: the connection is refused now, as it would have been
+	// had it come a moment later. Checked under mu, with the registration,
+	// so that CutAll either finds the link or the link sees the outage.
 	p.mu.Lock()
-	if p.closed {
+	if p.closed || p.faults.Refuse {
 		p.mu.Unlock()
-		l.close()
+		server.Close()
+		p.refuse(client)
 		return
 	}
 	p.conns[l] = struct{}{}
 	p.mu.Unlock()
+	p.accepted.Add(1)
 	defer func() {
 		p.mu.Lock()
 		delete(p.conns, l)

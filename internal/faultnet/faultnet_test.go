@@ -5,6 +5,8 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -161,5 +163,70 @@ func TestCutAllReportsWhatItCut(t *testing.T) {
 	}
 	if s := p.Stats(); s.Cut != 2 {
 		t.Fatalf("want Stats().Cut 2, got %+v", s)
+	}
+}
+
+// slowTarget is a listener whose accept queue holds one connection
+// (backlog 0): once it is filled, a dial to it waits on SYN retransmits
+// until the queue is drained, as a loaded server's does.
+func slowTarget(t *testing.T) net.Listener {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "slow-target")
+	ln, err := net.FileListener(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// A connection the proxy accepted just before an outage, whose dial to the
+// target was still under way, must not carry traffic during the outage:
+// "open connections are cut and new ones refused".
+func TestOutageCutsAConnectionStillDialing(t *testing.T) {
+	ln := slowTarget(t)
+	// Fill the target's accept queue so that the proxy's dial waits.
+	filler, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer filler.Close()
+	p := proxy(t, ln.Addr().String())
+	c, err := net.Dial("tcp", p.Addr()) // accepted before the outage
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	wait.Until(t, 5*time.Second, "the proxy to accept the connection and dial the target", func() bool { return p.Stats().Dialing == 1 })
+	end := p.Outage()
+	defer end()
+	// The target drains its queue and serves (an echo) while the outage lasts.
+	go func() {
+		for {
+			s, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer s.Close()
+				line, err := bufio.NewReader(s).ReadString('\n')
+				if err == nil {
+					s.Write([]byte(line))
+				}
+			}()
+		}
+	}()
+	if reply, err := roundTrip(c, "during the outage\n"); err == nil {
+		t.Fatalf("a connection went through to the target during the outage: got %q back (stats %+v)", reply, p.Stats())
 	}
 }
