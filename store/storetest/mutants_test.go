@@ -80,8 +80,13 @@ var mutants = []struct {
 // on each of the mutants, each in a child process, and fails when the suite
 // passes one. The control: the suite passes the unbroken copy ("none"). A
 // mutant counts as rejected only when a case of the suite fails it, not when
-// it panics or races.
+// it panics or races. In the child process ($IDEM_STORETEST_MUTANT set) it
+// is the suite run on that mutant.
 func TestSuiteRejectsMutants(t *testing.T) {
+	if m := os.Getenv(mutantEnv); m != "" {
+		storetest.Run(t, func(t *testing.T) idem.Store { return newMutant(m) })
+		return
+	}
 	t.Run("none", func(t *testing.T) {
 		t.Parallel()
 		if out, failed := runSuiteOn(t, "none"); failed != nil {
@@ -100,21 +105,11 @@ func TestSuiteRejectsMutants(t *testing.T) {
 	}
 }
 
-// mutantEnv names the mutant that [TestMutantChild] runs the suite on.
+// mutantEnv names the mutant that the child process of
+// [TestSuiteRejectsMutants] runs the suite on.
 const mutantEnv = "IDEM_STORETEST_MUTANT"
 
-// TestMutantChild runs the suite on the mutant named by $IDEM_STORETEST_MUTANT,
-// in the child process that [TestSuiteRejectsMutants] starts; it skips
-// otherwise.
-func TestMutantChild(t *testing.T) {
-	m := os.Getenv(mutantEnv)
-	if m == "" {
-		t.Skip("run by TestSuiteRejectsMutants in a child process")
-	}
-	storetest.Run(t, func(t *testing.T) idem.Store { return newMutant(m) })
-}
-
-var failedCase = regexp.MustCompile(`(?m)^\s*--- FAIL: TestMutantChild/([^/\s]+)`)
+var failedCase = regexp.MustCompile(`(?m)^\s*--- FAIL: TestSuiteRejectsMutants/([^/\s]+)`)
 
 // runSuiteOn runs the suite on mutant m in a child process and returns its
 // output and the cases of the suite that failed (nil when it passed). It
@@ -124,7 +119,7 @@ func runSuiteOn(t *testing.T, m string) (string, []string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestMutantChild$", "-test.count=1", "-test.timeout=4m")
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestSuiteRejectsMutants$", "-test.count=1", "-test.timeout=4m")
 	cmd.Env = append(os.Environ(), mutantEnv+"="+m)
 	b, err := cmd.CombinedOutput()
 	out := string(b)
